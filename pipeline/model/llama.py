@@ -1,0 +1,177 @@
+"""A numpy forward pass for llama-family models, over several sequences at once.
+
+`Model.forward` takes a batch of (cache, new tokens) pairs. The rows of all
+sequences go through each weight product together, so the weights are read once per
+step however many sequences are in the batch; attention runs per sequence against its
+own KV cache. A single sequence is the batch of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..tokenizer import Tokenizer
+from .config import ModelConfig
+from .gguf_file import PreparedWeights
+from .kernels import linear, linear_t
+from .store import load_prepared
+
+
+class KVCache:
+    """One sequence's keys and values. `truncate` is the rollback after rejected drafts.
+
+    Keys are stored transposed (head_dim before position) so scores are one plain
+    product per layer; capacity doubles as the sequence grows.
+    """
+
+    def __init__(self, cfg: ModelConfig, capacity: int = 256) -> None:
+        self.cfg = cfg
+        self.length = 0
+        self._alloc(max(1, min(capacity, cfg.context_length)))
+
+    def _alloc(self, capacity: int) -> None:
+        c = self.cfg
+        k = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, capacity), np.float32)
+        v = np.zeros((c.n_layers, c.n_kv_heads, capacity, c.head_dim), np.float32)
+        if self.length:
+            k[..., : self.length] = self.k[..., : self.length]
+            v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v, self.capacity = k, v, capacity
+
+    def reserve(self, length: int) -> None:
+        if length > self.cfg.context_length:
+            raise ValueError(f"sequence of {length} tokens exceeds the context of {self.cfg.context_length}")
+        if length > self.capacity:
+            self._alloc(min(self.cfg.context_length, max(length, 2 * self.capacity)))
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotate-half rotary tables for every position up to the context length."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, freq_factors: np.ndarray | None) -> Rope:
+        half = cfg.head_dim // 2
+        inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+        if freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
+        angles = np.outer(np.arange(cfg.context_length, dtype=np.float64), inv_freq)
+        return cls(np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+
+    def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x (n, heads, head_dim) rotated by each row's position."""
+        half = x.shape[-1] // 2
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
+    """RMS norm without the weight: the weight is folded into the next matrix."""
+    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax_rows(scores: np.ndarray) -> np.ndarray:
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return scores / scores.sum(axis=-1, keepdims=True)
+
+
+class Model:
+    """Prepared weights plus the forward pass; holds no per-sequence state."""
+
+    def __init__(self, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.tokenizer = tokenizer
+        self.head = weights.get("head", weights["embed"])
+        self.rope = Rope.build(cfg, weights.get("rope_freqs"))
+        self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Model:
+        cfg, weights, tokenizer = load_prepared(Path(path))
+        return cls(cfg, weights, tokenizer)
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.cfg, capacity)
+
+    def forward(self, cache: KVCache, tokens: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
+        """Logits for `tokens` appended at positions [cache.length, cache.length + T)."""
+        return self.forward_batch([(cache, tokens)], all_logits=all_logits)[0]
+
+    def forward_batch(
+        self, batch: Sequence[tuple[KVCache, Sequence[int]]], *, all_logits: bool = True
+    ) -> list[np.ndarray]:
+        """One step for several sequences: (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
+        cfg = self.cfg
+        if len({id(cache) for cache, _ in batch}) != len(batch):
+            raise ValueError("a cache may appear only once in a batch")
+        ids = [np.asarray(tokens, dtype=np.int64).reshape(-1) for _, tokens in batch]
+        for (cache, _), t in zip(batch, ids, strict=True):
+            if t.size == 0:
+                raise ValueError("every sequence in a batch needs at least one new token")
+            if t.min() < 0 or t.max() >= cfg.vocab_size:
+                raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+            cache.reserve(cache.length + t.size)
+        spans = np.cumsum([0, *(t.size for t in ids)])
+        positions = np.concatenate([c.length + np.arange(t.size) for (c, _), t in zip(batch, ids, strict=True)])
+        x = np.asarray(self.w["embed"][np.concatenate(ids)], dtype=np.float32)
+        q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
+        bqkv = self.w.get("bqkv")
+        for layer in range(cfg.n_layers):
+            qkv = linear(rms_normalize(x, eps), self.w["wqkv"][layer])
+            if bqkv is not None:
+                qkv += bqkv[layer]
+            heads = qkv[:, : q_dim + kv_dim].reshape(-1, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
+            heads = self.rope.apply(heads, positions)
+            q, k = heads[:, : cfg.n_heads], heads[:, cfg.n_heads :]
+            v = qkv[:, q_dim + kv_dim :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+            attn = np.empty((x.shape[0], q_dim), np.float32)
+            for i, (cache, _) in enumerate(batch):
+                rows = slice(spans[i], spans[i + 1])
+                attn[rows] = self._attend(cache, layer, q[rows], k[rows], v[rows])
+            x = x + linear(attn, self.w["wo"][layer])
+            gate_up = linear(rms_normalize(x, eps), self.w["wgu"][layer])
+            x = x + linear(silu(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], self.w["wdown"][layer])
+        for (cache, _), t in zip(batch, ids, strict=True):
+            cache.length += t.size
+        rows = np.arange(x.shape[0]) if all_logits else spans[1:] - 1
+        hidden = rms_normalize(x[rows], eps) * self.w["out_norm"]
+        logits = linear_t(hidden, self.head)
+        if all_logits:
+            return [logits[spans[i] : spans[i + 1]] for i in range(len(batch))]
+        return [logits[i : i + 1] for i in range(len(batch))]
+
+    def _attend(self, cache: KVCache, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Causal GQA attention of T new rows against the cache, writing their K/V into it."""
+        cfg = self.cfg
+        n, t = cache.length, q.shape[0]
+        end = n + t
+        cache.k[layer, :, :, n:end] = k.transpose(1, 2, 0)
+        cache.v[layer, :, n:end] = v.transpose(1, 0, 2)
+        group = cfg.n_heads // cfg.n_kv_heads
+        # (t, heads, d) -> (kv_heads, group * t, d): each kv head serves `group` query heads.
+        qg = q.reshape(t, cfg.n_kv_heads, group, cfg.head_dim).transpose(1, 2, 0, 3)
+        qg = qg.reshape(cfg.n_kv_heads, group * t, cfg.head_dim) * np.float32(cfg.head_dim**-0.5)
+        scores = qg @ cache.k[layer, :, :, :end]
+        if t > 1:
+            future = np.arange(end)[None, :] > (n + np.arange(t))[:, None]
+            scores.reshape(cfg.n_kv_heads, group, t, end)[:, :, future] = -np.inf
+        out = softmax_rows(scores) @ cache.v[layer, :, :end]
+        return out.reshape(cfg.n_kv_heads, group, t, cfg.head_dim).transpose(2, 0, 1, 3).reshape(t, -1)

@@ -1,0 +1,93 @@
+"""The on-disk cache of prepared weights, keyed by the model file's content hash.
+
+Preparing a GGUF (parse, dequantize, fuse) takes seconds and ~1.6 GB of RAM; loading
+the prepared arrays back with `np.load(mmap_mode="r")` takes milliseconds and lets
+every process that serves the same file share the same page-cache pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from ..tokenizer import Tokenizer
+from .config import ModelConfig
+from .gguf_file import PreparedWeights, read_gguf
+
+FORMAT_VERSION = 1
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECLANES_CACHE") or Path.home() / ".cache" / "speclanes")
+
+
+def content_hash(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _hash_memo(path: Path) -> str:
+    """The content hash, remembered per (path, size, mtime) so a warm start skips re-reading."""
+    st = path.stat()
+    memo_dir = cache_root() / "hashes"
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    memo = memo_dir / key
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        digest = content_hash(path)
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        memo.write_text(digest)
+        return digest
+
+
+def _write(directory: Path, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer) -> None:
+    for name, array in weights.items():
+        np.save(directory / f"{name}.npy", np.ascontiguousarray(array, dtype=np.float32))
+    tok_json, info_json = tokenizer.to_json()
+    (directory / "tokenizer.json").write_text(tok_json)
+    (directory / "tokenizer_info.json").write_text(info_json)
+    (directory / "config.json").write_bytes(msgspec.json.encode(cfg))
+    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "arrays": sorted(weights)}))
+
+
+def _read(directory: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    cfg = msgspec.json.decode((directory / "config.json").read_bytes(), type=ModelConfig)
+    weights = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in manifest["arrays"]}
+    tokenizer = Tokenizer.from_json(
+        (directory / "tokenizer.json").read_text(), (directory / "tokenizer_info.json").read_text()
+    )
+    return cfg, weights, tokenizer
+
+
+def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
+    """Prepared weights for `path`, from the cache or prepared now and cached.
+
+    The directory is filled under a temporary name and renamed into place, so a
+    reader never sees half a cache and two processes preparing at once both win.
+    """
+    path = Path(path)
+    directory = cache_root() / f"{_hash_memo(path) if path.is_file() else 'missing'}-v{FORMAT_VERSION}"
+    if (directory / "manifest.json").is_file():
+        return _read(directory)
+    cfg, weights, meta = read_gguf(path)
+    tokenizer = Tokenizer.from_metadata(meta)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=directory.parent))
+    try:
+        _write(staging, cfg, weights, tokenizer)
+        try:
+            staging.rename(directory)
+        except OSError:  # another process got there first; its copy is as good as ours
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return _read(directory)
