@@ -80,7 +80,8 @@ class Rope:
 
 def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
     """RMS norm without the weight: the weight is folded into the next matrix."""
-    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+    mean_square = np.einsum("ij,ij->i", x, x)[:, None] / np.float32(x.shape[-1])
+    return x / np.sqrt(mean_square + np.float32(eps))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -88,8 +89,17 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def softmax_rows(scores: np.ndarray) -> np.ndarray:
-    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return scores / scores.sum(axis=-1, keepdims=True)
+    """Softmax over the last axis, in place: scores are scratch space."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+def causal_mask(start: int, rows: int) -> np.ndarray:
+    """Additive mask for `rows` queries at positions [start, start + rows) over all keys so far."""
+    future = np.arange(start + rows)[None, :] > (start + np.arange(rows))[:, None]
+    return np.where(future, np.float32(-np.inf), np.float32(0.0))
 
 
 class Model:
@@ -97,11 +107,20 @@ class Model:
 
     def __init__(self, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer | None = None) -> None:
         self.cfg = cfg
-        self.w = weights
+        # Plain ndarray views of the (possibly memory-mapped) arrays, split per layer once:
+        # indexing an np.memmap on every step costs more than the norms do.
+        self.w = {name: np.asarray(a) for name, a in weights.items()}
+        self.layers = [
+            {name: self.w[name][i] for name in ("wqkv", "bqkv", "wo", "wgu", "wdown") if name in self.w}
+            for i in range(cfg.n_layers)
+        ]
         self.tokenizer = tokenizer
-        self.head = weights.get("head", weights["embed"])
-        self.rope = Rope.build(cfg, weights.get("rope_freqs"))
-        self.weight_bytes = sum(int(a.nbytes) for a in weights.values())
+        self.head = self.w.get("head", self.w["embed"])
+        self.rope = Rope.build(cfg, self.w.get("rope_freqs"))
+        # What one decode step reads: every matrix once, the embedding only as the tied head.
+        self.step_bytes = sum(int(a.nbytes) for name, a in weights.items() if name != "embed") + (
+            int(self.head.nbytes) if cfg.tied_embeddings else 0
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> Model:
@@ -131,13 +150,12 @@ class Model:
             cache.reserve(cache.length + t.size)
         spans = np.cumsum([0, *(t.size for t in ids)])
         positions = np.concatenate([c.length + np.arange(t.size) for (c, _), t in zip(batch, ids, strict=True)])
-        x = np.asarray(self.w["embed"][np.concatenate(ids)], dtype=np.float32)
+        x = self.w["embed"][np.concatenate(ids)]  # fancy indexing copies: x is ours to update
         q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
-        bqkv = self.w.get("bqkv")
-        for layer in range(cfg.n_layers):
-            qkv = linear(rms_normalize(x, eps), self.w["wqkv"][layer])
-            if bqkv is not None:
-                qkv += bqkv[layer]
+        for layer, lw in enumerate(self.layers):
+            qkv = linear(rms_normalize(x, eps), lw["wqkv"])
+            if "bqkv" in lw:
+                qkv += lw["bqkv"]
             heads = qkv[:, : q_dim + kv_dim].reshape(-1, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
             heads = self.rope.apply(heads, positions)
             q, k = heads[:, : cfg.n_heads], heads[:, cfg.n_heads :]
@@ -146,9 +164,9 @@ class Model:
             for i, (cache, _) in enumerate(batch):
                 rows = slice(spans[i], spans[i + 1])
                 attn[rows] = self._attend(cache, layer, q[rows], k[rows], v[rows])
-            x = x + linear(attn, self.w["wo"][layer])
-            gate_up = linear(rms_normalize(x, eps), self.w["wgu"][layer])
-            x = x + linear(silu(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], self.w["wdown"][layer])
+            x += linear(attn, lw["wo"])
+            gate_up = linear(rms_normalize(x, eps), lw["wgu"])
+            x += linear(silu(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], lw["wdown"])
         for (cache, _), t in zip(batch, ids, strict=True):
             cache.length += t.size
         rows = np.arange(x.shape[0]) if all_logits else spans[1:] - 1
@@ -171,7 +189,6 @@ class Model:
         qg = qg.reshape(cfg.n_kv_heads, group * t, cfg.head_dim) * np.float32(cfg.head_dim**-0.5)
         scores = qg @ cache.k[layer, :, :, :end]
         if t > 1:
-            future = np.arange(end)[None, :] > (n + np.arange(t))[:, None]
-            scores.reshape(cfg.n_kv_heads, group, t, end)[:, :, future] = -np.inf
+            scores.reshape(cfg.n_kv_heads, group, t, end)[...] += causal_mask(n, t)
         out = softmax_rows(scores) @ cache.v[layer, :, :end]
         return out.reshape(cfg.n_kv_heads, group, t, cfg.head_dim).transpose(2, 0, 1, 3).reshape(t, -1)

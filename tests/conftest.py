@@ -1,0 +1,41 @@
+"""Shared fixtures: a private weight cache, tiny GGUF models, and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import pipeline  # noqa: F401  (sets the OpenBLAS environment before numpy loads)
+
+from .tinymodel import TinySpec, write_tiny_gguf
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tests prepare weights into their own cache unless SPECLANES_CACHE says otherwise."""
+    if not os.environ.get("SPECLANES_CACHE"):
+        os.environ["SPECLANES_CACHE"] = str(tmp_path_factory.mktemp("speclanes-cache"))
+    return Path(os.environ["SPECLANES_CACHE"])
+
+
+@pytest.fixture
+def tiny_model_file(tmp_path: Path):
+    """Write a tiny GGUF for a spec; returns (path, reference weights)."""
+
+    def make(spec: TinySpec | None = None, name: str = "tiny.gguf"):
+        spec = spec or TinySpec()
+        path = tmp_path / name
+        return path, write_tiny_gguf(path, spec)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from pipeline.model import Model, default_model_path
+
+    return Model.load(default_model_path())
