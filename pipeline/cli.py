@@ -11,7 +11,9 @@ import msgspec
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (raw, unless --chat)")
-    p.add_argument("--messages", metavar="FILE", help='JSON list of {"role", "content"} for the chat template')
+    p.add_argument(
+        "--messages", metavar="FILE", help='JSON list of {"role", "content"} for the chat template'
+    )
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message in the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
@@ -20,7 +22,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object at the end instead of streaming"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

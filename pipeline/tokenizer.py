@@ -114,8 +114,10 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
-                m.get("content"), str
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
             ):
                 raise ValueError('each chat message must be an object {"role": str, "content": str}')
         template = _chat_environment().from_string(self.chat_template)

@@ -39,3 +39,12 @@ def smollm2():
     from pipeline.model import Model, default_model_path
 
     return Model.load(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    from pipeline.model import Model
+
+    path = tmp_path_factory.mktemp("tok") / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec())
+    return Model.load(path).tokenizer

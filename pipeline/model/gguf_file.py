@@ -130,7 +130,11 @@ def read_weights(reader: Any, cfg: ModelConfig) -> PreparedWeights:
     wqkv, bqkv, wo, wgu, wdown = [], [], [], [], []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        wq, wk, wv = get(p + "attn_q.weight", q, d), get(p + "attn_k.weight", kv, d), get(p + "attn_v.weight", kv, d)
+        wq, wk, wv = (
+            get(p + "attn_q.weight", q, d),
+            get(p + "attn_k.weight", kv, d),
+            get(p + "attn_v.weight", kv, d),
+        )
         if permuted:
             wq, wk = _unpermute(wq, cfg.n_heads), _unpermute(wk, cfg.n_kv_heads)
         attn_norm = get(p + "attn_norm.weight", d)

@@ -105,7 +105,9 @@ def causal_mask(start: int, rows: int) -> np.ndarray:
 class Model:
     """Prepared weights plus the forward pass; holds no per-sequence state."""
 
-    def __init__(self, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.cfg = cfg
         # Plain ndarray views of the (possibly memory-mapped) arrays, split per layer once:
         # indexing an np.memmap on every step costs more than the norms do.
@@ -149,7 +151,9 @@ class Model:
                 raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
             cache.reserve(cache.length + t.size)
         spans = np.cumsum([0, *(t.size for t in ids)])
-        positions = np.concatenate([c.length + np.arange(t.size) for (c, _), t in zip(batch, ids, strict=True)])
+        positions = np.concatenate(
+            [c.length + np.arange(t.size) for (c, _), t in zip(batch, ids, strict=True)]
+        )
         x = self.w["embed"][np.concatenate(ids)]  # fancy indexing copies: x is ours to update
         q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
         for layer, lw in enumerate(self.layers):

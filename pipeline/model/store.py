@@ -7,6 +7,7 @@ every process that serves the same file share the same page-cache pages.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -55,7 +56,9 @@ def _write(directory: Path, cfg: ModelConfig, weights: PreparedWeights, tokenize
     (directory / "tokenizer.json").write_text(tok_json)
     (directory / "tokenizer_info.json").write_text(info_json)
     (directory / "config.json").write_bytes(msgspec.json.encode(cfg))
-    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "arrays": sorted(weights)}))
+    (directory / "manifest.json").write_text(
+        json.dumps({"format": FORMAT_VERSION, "arrays": sorted(weights)})
+    )
 
 
 def _read(directory: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
@@ -84,10 +87,8 @@ def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
     staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=directory.parent))
     try:
         _write(staging, cfg, weights, tokenizer)
-        try:
+        with contextlib.suppress(OSError):  # another process got there first: its copy is as good
             staging.rename(directory)
-        except OSError:  # another process got there first; its copy is as good as ours
-            pass
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return _read(directory)

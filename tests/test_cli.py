@@ -1,0 +1,84 @@
+"""`speclanes generate` as a user runs it: a subprocess, the real default model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import FIXTURES
+
+REFERENCE = {p["name"]: p for p in json.loads((FIXTURES / "smollm2_reference.json").read_text())["prompts"]}
+
+pytestmark = pytest.mark.slow
+
+
+def speclanes(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_generate_json_matches_reference():
+    case = REFERENCE["a"]
+    result = speclanes("generate", case["text"], "--max-tokens", "40", "--ignore-eos", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["prompt_tokens"] == case["prompt_ids"]
+    assert out["tokens"] == case["greedy_ids"]
+    assert out["finish_reason"] == "length"
+    assert set(out["stats"]) >= {"wall_seconds", "prefill_seconds", "tokens_per_second"}
+    assert out["stats"]["tokens_per_second"] > 0
+
+
+def test_streamed_text_equals_json_text(tmp_path):
+    messages = tmp_path / "m.json"
+    messages.write_text(
+        json.dumps([{"role": "user", "content": "What is the tallest mountain in the world?"}])
+    )
+    streamed = speclanes("generate", "--messages", str(messages), "--max-tokens", "24")
+    as_json = speclanes(
+        "generate", "--chat", "What is the tallest mountain in the world?", "--max-tokens", "24", "--json"
+    )
+    assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
+    out = json.loads(as_json.stdout)
+    assert out["prompt_tokens"] == REFERENCE["d"]["prompt_ids"]
+    assert out["tokens"] == REFERENCE["d"]["greedy_ids"][:24]
+    assert streamed.stdout == out["text"] + "\n"
+
+
+def test_seeded_sampling_is_reproducible_from_the_cli():
+    args = (
+        "generate",
+        "Once upon a time",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+        "--max-tokens",
+        "16",
+        "--json",
+    )
+    first, second = (json.loads(speclanes(*args).stdout) for _ in range(2))
+    assert first["tokens"] == second["tokens"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--temperature", "-1", "hi"), "temperature"),
+        (("--top-p", "2", "hi"), "top_p"),
+        (("--messages", "/nonexistent.json"), "cannot read messages"),
+        (("x " * 9000,), "context"),
+        (("",), "empty"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(args, message):
+    result = speclanes("generate", *args)
+    assert result.returncode == 2
+    assert result.stderr.startswith("speclanes: error:") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

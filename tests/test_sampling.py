@@ -1,0 +1,106 @@
+"""Properties of the sampling functions (hypothesis) and a distribution check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from pipeline.sampling import SamplingParams, draw, make_rng, sample, target_probs
+
+logit_rows = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32, allow_nan=False))
+settings_strategy = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
+    top_k=st.integers(0, 10),
+    top_p=st.floats(0.05, 1.0),
+)
+
+
+@given(logit_rows, settings_strategy)
+def test_target_probs_is_a_distribution(logits, params):
+    probs = target_probs(logits, params)
+    assert probs.shape == logits.shape
+    assert (probs >= 0).all()
+    assert probs.sum() == pytest.approx(1.0)
+    # The most likely token always survives every filter.
+    assert probs[int(np.argmax(logits))] > 0
+
+
+@given(logit_rows, settings_strategy)
+def test_filters_keep_the_right_support(logits, params):
+    probs = target_probs(logits, params)
+    support = np.flatnonzero(probs)
+    if params.greedy:
+        assert support.tolist() == [int(np.argmax(logits))]
+        return
+    if 0 < params.top_k < logits.size:
+        # Only tokens at least as likely as the k-th most likely one (ties included) survive.
+        assert logits[support].min() >= np.sort(logits)[-params.top_k]
+    # Nothing kept may be less likely than something dropped.
+    dropped = np.setdiff1d(np.arange(logits.size), support)
+    if dropped.size:
+        assert logits[support].min() >= logits[dropped].max()
+
+
+@given(logit_rows, st.floats(0.05, 0.95))
+def test_top_p_keeps_the_smallest_set_reaching_p(logits, top_p):
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    full = target_probs(logits, SamplingParams(temperature=1.0))
+    kept = np.flatnonzero(target_probs(logits, params))
+    assert full[kept].sum() >= top_p - 1e-9
+    smallest_kept = kept[np.argmin(full[kept])]
+    assert full[kept].sum() - full[smallest_kept] < top_p + 1e-9
+
+
+@given(arrays(np.float64, st.integers(1, 20), elements=st.floats(0, 1)), st.floats(0, 1, exclude_max=True))
+def test_draw_lands_on_the_support(weights, u):
+    if weights.sum() == 0:
+        weights[0] = 1.0
+    assert weights[draw(weights, u)] > 0
+
+
+def test_draw_follows_the_distribution():
+    probs = np.array([0.5, 0.0, 0.2, 0.3])
+    grid = (np.arange(10_000) + 0.5) / 10_000  # an even sweep of u: exact frequencies
+    counts = np.bincount([draw(probs, u) for u in grid], minlength=4)
+    np.testing.assert_allclose(counts / counts.sum(), probs, atol=1e-3)
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = np.random.default_rng(0).standard_normal(50)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=123)
+    rng_a, rng_b = make_rng(params.seed)[0], make_rng(params.seed)[0]
+    draws_a = [sample(logits, params, rng_a) for _ in range(50)]
+    assert draws_a == [sample(logits, params, rng_b) for _ in range(50)]
+    assert len(set(draws_a)) > 1  # it really sampled
+    assert make_rng(None)[1] != make_rng(None)[1]  # no seed: a fresh one each time, reported back
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature"),
+        ("temperature", float("nan"), "temperature"),
+        ("top_k", -1, "top_k"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("max_tokens", 0, "max_tokens"),
+        ("seed", -1, "seed"),
+        ("stop", ("",), "stop"),
+    ],
+)
+def test_invalid_settings_are_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+@settings(max_examples=50)
+@given(logit_rows, st.integers(0, 2**32))
+def test_greedy_consumes_no_randomness(logits, seed):
+    rng = make_rng(seed)[0]
+    state = rng.bit_generator.state
+    assert sample(logits, SamplingParams(), rng) == int(np.argmax(logits))
+    assert rng.bit_generator.state == state
