@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from .drafters.registry import DRAFTERS
+
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (raw, unless --chat)")
@@ -32,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate in-process and stream the text")
     gen.add_argument("--model", metavar="PATH", help="a llama-family GGUF (default: SmolLM2-135M-Instruct)")
+    gen.add_argument(
+        "--drafter", choices=DRAFTERS, default="none", help="speculation drafter (default: none)"
+    )
+    gen.add_argument(
+        "--draft-model", metavar="PATH", help="smaller GGUF with the same vocabulary (--drafter model)"
+    )
+    gen.add_argument("--k", default="auto", help="draft tokens per step: a number 0-32, or auto (default)")
+    gen.add_argument("--max-iterations", type=int, default=None, help="end the request after this many steps")
     _add_sampling_flags(gen)
     bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -63,13 +73,31 @@ def load_model(path: str | None):
     return Model.load(path or default_model_path())
 
 
+def parse_k(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"--k takes a number from 0 to 32 or 'auto', got {text!r}") from None
+    if not 0 <= k <= 32:
+        raise ValueError(f"--k takes a number from 0 to 32 or 'auto', got {k}")
+    return k
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import generate
+    from .drafters.registry import make_draft_source
     from .prompts import load_messages, prompt_tokens
+    from .speculative import decode
 
     params = _sampling(args)
+    k = parse_k(args.k)
+    if args.max_iterations is not None and args.max_iterations < 1:
+        raise ValueError("--max-iterations must be >= 1")
     messages = load_messages(args.messages) if args.messages else None
     model = load_model(args.model)
+    draft_model = load_model(args.draft_model) if args.draft_model else None
+    source = make_draft_source(args.drafter, model, draft_model)
     assert model.tokenizer is not None
     prompt = prompt_tokens(model.tokenizer, args.prompt, chat=args.chat, messages=messages)
 
@@ -77,7 +105,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    completion = generate(model, prompt, params, on_text=None if args.json else show)
+    completion = decode(
+        model,
+        prompt,
+        params,
+        source,
+        k=0 if args.drafter == "none" else k,
+        max_iterations=args.max_iterations,
+        on_text=None if args.json else show,
+    )
     if args.json:
         sys.stdout.write(msgspec.json.encode(completion).decode() + "\n")
     else:

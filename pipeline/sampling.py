@@ -93,8 +93,14 @@ def draw(probs: np.ndarray, u: float) -> int:
     return index if index < probs.size else int(np.flatnonzero(probs)[-1])
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from one row of logits. Greedy consumes no random numbers."""
-    if params.greedy:
-        return int(np.argmax(logits))
-    return draw(target_probs(logits, params), float(rng.random()))
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> tuple[int, float | None]:
+    """A token from one probability row, and the uniform draw it spent.
+
+    A draw is spent only if more than one token is possible, so greedy decoding (and
+    any filter that leaves one token) consumes no randomness.
+    """
+    support = np.flatnonzero(probs)
+    if support.size == 1:
+        return int(support[0]), None
+    u = float(rng.random())
+    return draw(probs, u), u

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pipeline.sampling import SamplingParams, draw, make_rng, sample, target_probs
+from pipeline.sampling import SamplingParams, draw, make_rng, sample_from, target_probs
 
 logit_rows = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32, allow_nan=False))
 settings_strategy = st.builds(
@@ -72,9 +72,10 @@ def test_draw_follows_the_distribution():
 def test_seeded_sampling_is_reproducible():
     logits = np.random.default_rng(0).standard_normal(50)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=123)
+    probs = target_probs(logits, params)
     rng_a, rng_b = make_rng(params.seed)[0], make_rng(params.seed)[0]
-    draws_a = [sample(logits, params, rng_a) for _ in range(50)]
-    assert draws_a == [sample(logits, params, rng_b) for _ in range(50)]
+    draws_a = [sample_from(probs, rng_a)[0] for _ in range(50)]
+    assert draws_a == [sample_from(probs, rng_b)[0] for _ in range(50)]
     assert len(set(draws_a)) > 1  # it really sampled
     assert make_rng(None)[1] != make_rng(None)[1]  # no seed: a fresh one each time, reported back
 
@@ -102,5 +103,5 @@ def test_invalid_settings_are_refused(field, value, message):
 def test_greedy_consumes_no_randomness(logits, seed):
     rng = make_rng(seed)[0]
     state = rng.bit_generator.state
-    assert sample(logits, SamplingParams(), rng) == int(np.argmax(logits))
+    assert sample_from(target_probs(logits, SamplingParams()), rng) == (int(np.argmax(logits)), None)
     assert rng.bit_generator.state == state

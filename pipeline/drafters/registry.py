@@ -1,0 +1,32 @@
+"""Drafter names as the CLI and configuration spell them."""
+
+from __future__ import annotations
+
+from ..model import Model
+from . import DraftSource, NoDraftSource
+from .composite import CompositeSource
+from .model import ModelSource
+from .ngram import NgramSource
+from .suffix import SuffixSource
+
+DRAFTERS = ("none", "ngram", "suffix", "model", "auto")
+
+
+def make_draft_source(name: str, target: Model, draft_model: Model | None = None) -> DraftSource:
+    """`auto` chains the free drafters (n-gram, then the cross-request cache), then the model if given."""
+    if name == "none":
+        return NoDraftSource()
+    if name == "ngram":
+        return NgramSource()
+    if name == "suffix":
+        return SuffixSource()
+    if name == "model":
+        if draft_model is None:
+            raise ValueError("--drafter model needs --draft-model PATH")
+        return ModelSource(draft_model, target)
+    if name == "auto":
+        sources: list[DraftSource] = [NgramSource(), SuffixSource()]
+        if draft_model is not None:
+            sources.append(ModelSource(draft_model, target))
+        return CompositeSource(sources)
+    raise ValueError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
