@@ -1,0 +1,143 @@
+"""The acceptance rule emits tokens distributed exactly as the target's rows, whatever p is."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pipeline.acceptance as acceptance
+from pipeline.acceptance import residual, verify
+from pipeline.sampling import sample_from
+
+from .stats import chi_square
+
+V = 5
+
+
+def random_rows(rng: np.random.Generator, n: int, zeros: bool = True) -> np.ndarray:
+    rows = rng.dirichlet(np.full(V, 0.6), size=n)
+    if zeros:  # knock out a token per row so supports differ between p and q
+        rows[np.arange(n), rng.integers(0, V, n)] = 0.0
+        rows /= rows.sum(axis=1, keepdims=True)
+    return rows
+
+
+def first_tokens(p: np.ndarray | None, q: np.ndarray, draws: int, seed: int) -> np.ndarray:
+    """Counts of the first emitted token over many steps with drafts drawn from p
+    (uniform guesses when p is None: a deterministic drafter may propose anything)."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(V, np.int64)
+    k = q.shape[0] - 1
+    for _ in range(draws):
+        if p is None:
+            draft = [int(rng.integers(V)) for _ in range(k)]
+        else:
+            draft = [sample_from(row, rng)[0] for row in p]
+        counts[verify(draft, p, q, rng).tokens[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampled-draft", "one-hot-draft"])
+def test_first_token_follows_the_target(seed, deterministic):
+    rng = np.random.default_rng(100 + seed)
+    k = 3
+    p = None if deterministic else random_rows(rng, k)
+    q = random_rows(rng, k + 1)
+    statistic, critical = chi_square(first_tokens(p, q, 20_000, seed), q[0])
+    assert statistic < critical
+
+
+def test_bonus_token_follows_the_last_target_row():
+    rng = np.random.default_rng(7)
+    q = random_rows(rng, 3)
+    draft = [int(np.argmax(q[0])), int(np.argmax(q[1]))]
+    q[0], q[1] = np.eye(V)[draft[0]], np.eye(V)[draft[1]]  # the drafts are always kept
+    counts = np.zeros(V, np.int64)
+    for _ in range(20_000):
+        verdict = verify(draft, None, q, rng)
+        assert verdict.accepted == 2
+        counts[verdict.tokens[-1]] += 1
+    statistic, critical = chi_square(counts, q[2])
+    assert statistic < critical
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        lambda q, p, token: q,  # forgets to subtract p at the rejection
+        lambda q, p, token: np.full_like(q, 1.0 / q.size),  # uniform correction
+    ],
+    ids=["residual-without-subtracting-p", "uniform-correction"],
+)
+def test_a_wrong_residual_is_caught(monkeypatch, broken):
+    rng = np.random.default_rng(3)
+    p, q = random_rows(rng, 1, zeros=False), random_rows(rng, 2, zeros=False)
+    monkeypatch.setattr(acceptance, "residual", broken)
+    statistic, critical = chi_square(first_tokens(p, q, 20_000, 0), q[0])
+    assert statistic > critical
+
+
+def test_a_wrong_acceptance_ratio_is_caught(monkeypatch):
+    """Keeping with probability q/p without the min(1, .) cap changes nothing; keeping
+    with probability p/q instead must be caught."""
+    rng = np.random.default_rng(5)
+    p, q = random_rows(rng, 1, zeros=False), random_rows(rng, 2, zeros=False)
+
+    def inverted(draft, draft_probs, target_probs, rng):
+        x = draft[0]
+        keep = rng.random() < min(1.0, draft_probs[0][x] / max(target_probs[0][x], 1e-12))
+        if keep:
+            return acceptance.Verdict([x, sample_from(target_probs[1], rng)[0]], 1, [], None)
+        fix = sample_from(residual(target_probs[0], draft_probs[0], x), rng)[0]
+        return acceptance.Verdict([fix], 0, [], None)
+
+    monkeypatch.setattr(acceptance, "verify", inverted)
+    counts = np.zeros(V, np.int64)
+    for _ in range(20_000):
+        x = sample_from(p[0], rng)[0]
+        counts[acceptance.verify([x], p, q, rng).tokens[0]] += 1
+    statistic, critical = chi_square(counts, q[0])
+    assert statistic > critical
+
+
+@settings(max_examples=200)
+@given(st.integers(0, 2**32), st.integers(1, 6))
+def test_greedy_keeps_exactly_the_matching_prefix(seed, k):
+    rng = np.random.default_rng(seed)
+    q = np.eye(V)[rng.integers(0, V, k + 1)]  # greedy target rows are one-hot
+    draft = [int(t) for t in rng.integers(0, V, k)]
+    state = rng.bit_generator.state
+    verdict = verify(draft, None, q, rng)
+    targets = q.argmax(axis=1).tolist()
+    n = next((i for i in range(k) if draft[i] != targets[i]), k)
+    assert verdict.accepted == n
+    assert verdict.tokens == targets[: n + 1]
+    assert rng.bit_generator.state == state  # greedy spends no randomness
+    assert [d.kept for d in verdict.decisions] == [True] * n + ([False] if n < k else [])
+
+
+@settings(max_examples=100)
+@given(st.integers(0, 2**32))
+def test_decisions_replay(seed):
+    """Each record holds what is needed to re-derive its verdict."""
+    rng = np.random.default_rng(seed)
+    p, q = random_rows(rng, 3), random_rows(rng, 4)
+    draft = [sample_from(row, rng)[0] for row in p]
+    verdict = verify(draft, p, q, rng)
+    for d in verdict.decisions:
+        assert d.p == pytest.approx(p[d.position][d.draft_token])
+        assert d.q == pytest.approx(q[d.position][d.draft_token])
+        if d.u is None:
+            assert d.kept == (d.q >= d.p)
+        else:
+            assert d.kept == (d.u * d.p < d.q)
+
+
+def test_row_counts_are_checked():
+    with pytest.raises(ValueError, match="target rows"):
+        verify([1, 2], None, np.ones((2, V)) / V, np.random.default_rng())
+    with pytest.raises(ValueError, match="draft rows"):
+        verify([1, 2], np.ones((1, V)) / V, np.ones((3, V)) / V, np.random.default_rng())
