@@ -50,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     model_bench.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     model_bench.add_argument("--repeats", type=int, default=15)
     model_bench.add_argument("--json", action="store_true")
+    spec_bench = bench_sub.add_parser(
+        "speculative", help="every drafter vs plain decoding on three workloads"
+    )
+    spec_bench.add_argument("--model", metavar="PATH")
+    spec_bench.add_argument(
+        "--draft-model", metavar="PATH", help="for the model drafter (default: the target)"
+    )
+    spec_bench.add_argument("--drafters", default="none,ngram,suffix,auto,model")
+    spec_bench.add_argument("--repeats", type=int, default=3)
+    spec_bench.add_argument("--max-tokens", type=int, default=128)
+    spec_bench.add_argument("--json", action="store_true")
     return parser
 
 
@@ -122,9 +133,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import model_bench
+    from .bench import model_bench, speculative_bench
 
-    return model_bench.main(args)
+    return {"model": model_bench, "speculative": speculative_bench}[args.bench].main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -82,3 +82,37 @@ def test_bad_input_gets_one_clear_line(args, message):
     assert result.returncode == 2
     assert result.stderr.startswith("speclanes: error:") and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_speculative_flags_and_stats():
+    case = REFERENCE["b"]
+    result = speclanes(
+        "generate",
+        case["text"],
+        "--max-tokens",
+        "40",
+        "--ignore-eos",
+        "--drafter",
+        "auto",
+        "--k",
+        "auto",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["tokens"] == case["greedy_ids"]
+    assert {"steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length"} <= set(out["stats"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--k", "33"), "--k"),
+        (("--k", "many"), "--k"),
+        (("--drafter", "model"), "--draft-model"),
+        (("--max-iterations", "0"), "max-iterations"),
+    ],
+)
+def test_bad_speculation_flags(args, message):
+    result = speclanes("generate", "hi", *args)
+    assert result.returncode == 2 and message in result.stderr

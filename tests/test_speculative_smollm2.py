@@ -1,0 +1,46 @@
+"""Greedy speculation on the real default model is token-identical to plain decoding
+(and, on the reference prompts, to HF transformers' greedy output)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.bench.speculative_bench import WORKLOADS
+from pipeline.drafters import NoDraftSource
+from pipeline.drafters.registry import make_draft_source
+from pipeline.sampling import SamplingParams
+from pipeline.speculative import decode
+
+from .conftest import FIXTURES
+
+pytestmark = pytest.mark.slow
+
+REFERENCE = json.loads((FIXTURES / "smollm2_reference.json").read_text())["prompts"]
+CASES = [(p["name"], p["prompt_ids"], p["greedy_ids"]) for p in REFERENCE]
+
+
+def chat_prompt(model, text: str) -> list[int]:
+    return model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))
+
+
+@pytest.mark.parametrize(("drafter", "k"), [("ngram", None), ("ngram", 5), ("suffix", None), ("auto", 8)])
+@pytest.mark.parametrize(("name", "prompt", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_reference_prompts_match_transformers(smollm2, drafter, k, name, prompt, expected):
+    params = SamplingParams(max_tokens=len(expected), ignore_eos=True)
+    out = decode(smollm2, prompt, params, make_draft_source(drafter, smollm2), k=k)
+    assert out.tokens == expected
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize(("drafter", "k"), [("ngram", None), ("suffix", 3), ("auto", None), ("model", 4)])
+def test_workloads_match_plain_decoding(smollm2, workload, drafter, k):
+    prompt = chat_prompt(smollm2, WORKLOADS[workload])
+    params = SamplingParams(max_tokens=48)
+    plain = decode(smollm2, prompt, params, NoDraftSource(), k=0)
+    source = make_draft_source(drafter, smollm2, smollm2 if drafter == "model" else None)
+    out = decode(smollm2, prompt, params, source, k=k)
+    assert out.tokens == plain.tokens and out.text == plain.text
+    if drafter == "model":  # the target drafting for itself: every greedy draft is kept
+        assert out.stats["acceptance_rate"] == 1.0
