@@ -14,7 +14,7 @@ import numpy as np
 
 from .acceptance import Decision, verify
 from .adaptive import KController
-from .drafters import EMPTY, Drafter, DraftSource, NoDrafter, Proposal
+from .drafters import EMPTY, Drafter, DraftSource, Proposal
 from .model import Model
 from .output import OutputStream
 from .sampling import SamplingParams, make_rng, sample_from, target_probs
@@ -108,7 +108,7 @@ def decode(
     rng, seed = make_rng(params.seed)
     out = OutputStream(model.tokenizer, params)
     stats = Stats(controller.k_max)
-    drafter = source.start(prompt_tokens, params, rng)
+    drafter = GuardedDrafter(source.start(prompt_tokens, params, rng))
     emit = on_text or (lambda _text: None)
     context_limit = model.cfg.context_length
     cache = model.new_cache(capacity=min(context_limit, len(prompt_tokens) + params.max_tokens + k_max + 1))
@@ -128,10 +128,10 @@ def decode(
             emit(out.finish("length"))
             break
         want = min(controller.choose(), room, params.max_tokens - len(out.tokens) - 1)
-        proposal, draft_seconds = _propose(drafter, context, want, stats)
-        if proposal is None:  # the drafter raised: plain decoding for the rest of the request
-            drafter, proposal = NoDrafter(), EMPTY
-        drafted = proposal.tokens[: max(want, 0)]
+        t0 = time.perf_counter()
+        proposal = drafter.propose(context, want)
+        draft_seconds = time.perf_counter() - t0
+        drafted = proposal.tokens[:want]
         probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
 
         t0 = time.perf_counter()
@@ -166,6 +166,7 @@ def decode(
 
     wall = time.perf_counter() - start
     drafter.finish([*prompt_tokens, *out.tokens])
+    stats.draft_failures = drafter.failures
     return Completion(
         prompt_tokens=list(prompt_tokens),
         tokens=out.tokens,
@@ -182,15 +183,29 @@ def decode(
     )
 
 
-def _propose(drafter: Drafter, context: list[int], k: int, stats: Stats) -> tuple[Proposal | None, float]:
-    """A proposal, or None if the drafter raised (logged and counted, never fatal)."""
-    if k <= 0:
-        return EMPTY, 0.0
-    t0 = time.perf_counter()
-    try:
-        proposal = drafter.propose(context, k)
-    except Exception:
-        log.exception("drafter %s failed; continuing this request without speculation", drafter.name)
-        stats.draft_failures += 1
-        return None, time.perf_counter() - t0
-    return proposal, time.perf_counter() - t0
+class GuardedDrafter:
+    """A drafter whose failures cost speed, never the request: after its first exception
+    (logged and counted) it proposes nothing, so the request goes on as plain decoding."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter, self.name, self.failures = drafter, drafter.name, 0
+
+    def _call(self, method: str, *args: object) -> object:
+        if self.failures:
+            return None
+        try:
+            return getattr(self.drafter, method)(*args)
+        except Exception:
+            log.exception("drafter %s failed in %s; continuing without speculation", self.name, method)
+            self.failures += 1
+            return None
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        proposal = self._call("propose", context, k) if k > 0 else None
+        return proposal if isinstance(proposal, Proposal) else EMPTY
+
+    def accept(self, context: list[int]) -> None:
+        self._call("accept", context)
+
+    def finish(self, context: list[int]) -> None:
+        self._call("finish", context)

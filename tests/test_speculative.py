@@ -132,36 +132,54 @@ def test_seeded_speculative_sampling_is_reproducible(models):
 
 
 class ExplodingDrafter:
+    """Drafts well (the n-gram drafter) until `method` raises, then keeps raising."""
+
     name = "exploding"
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, method, after):
+        self.inner, self.method, self.after, self.calls = (
+            NgramSource(1, 3).start([], None, None),
+            method,
+            after,
+            0,
+        )
+
+    def _maybe_explode(self, method):
+        if method == self.method:
+            self.calls += 1
+            if self.calls > self.after:
+                raise RuntimeError("drafter bug")
 
     def propose(self, context, k):
-        self.calls += 1
-        raise RuntimeError("drafter bug")
+        self._maybe_explode("propose")
+        return self.inner.propose(context, k)
 
     def accept(self, context):
-        pass
+        self._maybe_explode("accept")
 
     def finish(self, context):
-        pass
+        self._maybe_explode("finish")
 
 
 class ExplodingSource:
     name = "exploding"
 
+    def __init__(self, method, after):
+        self.method, self.after = method, after
+
     def start(self, prompt, params, rng):
-        return ExplodingDrafter()
+        return ExplodingDrafter(self.method, self.after)
 
 
-def test_a_failing_drafter_degrades_to_plain_decoding(models):
+@pytest.mark.parametrize(("method", "after"), [("propose", 0), ("propose", 3), ("accept", 2), ("finish", 0)])
+def test_a_failing_drafter_degrades_to_plain_decoding(models, method, after):
     target, _ = models
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    plain = decode(target, [60, 61], params, NoDraftSource(), k=0)
-    out = decode(target, [60, 61], params, ExplodingSource(), k=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = repetitive_prompt(np.random.default_rng(3), 30)
+    plain = decode(target, prompt, params, NoDraftSource(), k=0)
+    out = decode(target, prompt, params, ExplodingSource(method, after), k=4)
     assert out.tokens == plain.tokens
-    assert out.stats["draft_failures"] == 1 and out.stats["drafted"] == 0
+    assert out.stats["draft_failures"] == 1
 
 
 def test_max_iterations_ends_the_request(models):
