@@ -156,6 +156,11 @@ class Model:
         )
         x = self.w["embed"][np.concatenate(ids)]  # fancy indexing copies: x is ours to update
         q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
+        # Each sequence's causal mask depends only on its position and block size: build it once.
+        masks = [
+            causal_mask(c.length, t.size) if t.size > 1 else None
+            for (c, _), t in zip(batch, ids, strict=True)
+        ]
         for layer, lw in enumerate(self.layers):
             qkv = linear(rms_normalize(x, eps), lw["wqkv"])
             if "bqkv" in lw:
@@ -167,7 +172,7 @@ class Model:
             attn = np.empty((x.shape[0], q_dim), np.float32)
             for i, (cache, _) in enumerate(batch):
                 rows = slice(spans[i], spans[i + 1])
-                attn[rows] = self._attend(cache, layer, q[rows], k[rows], v[rows])
+                attn[rows] = self._attend(cache, layer, q[rows], k[rows], v[rows], masks[i])
             x += linear(attn, lw["wo"])
             gate_up = linear(rms_normalize(x, eps), lw["wgu"])
             x += linear(silu(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], lw["wdown"])
@@ -180,7 +185,9 @@ class Model:
             return [logits[spans[i] : spans[i + 1]] for i in range(len(batch))]
         return [logits[i : i + 1] for i in range(len(batch))]
 
-    def _attend(self, cache: KVCache, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def _attend(
+        self, cache: KVCache, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None
+    ) -> np.ndarray:
         """Causal GQA attention of T new rows against the cache, writing their K/V into it."""
         cfg = self.cfg
         n, t = cache.length, q.shape[0]
@@ -192,7 +199,7 @@ class Model:
         qg = q.reshape(t, cfg.n_kv_heads, group, cfg.head_dim).transpose(1, 2, 0, 3)
         qg = qg.reshape(cfg.n_kv_heads, group * t, cfg.head_dim) * np.float32(cfg.head_dim**-0.5)
         scores = qg @ cache.k[layer, :, :, :end]
-        if t > 1:
-            scores.reshape(cfg.n_kv_heads, group, t, end)[...] += causal_mask(n, t)
+        if mask is not None:
+            scores.reshape(cfg.n_kv_heads, group, t, end)[...] += mask
         out = softmax_rows(scores) @ cache.v[layer, :, :end]
         return out.reshape(cfg.n_kv_heads, group, t, cfg.head_dim).transpose(2, 0, 1, 3).reshape(t, -1)
