@@ -10,7 +10,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..sampling import SamplingParams
-from . import EMPTY, Proposal
+from . import EMPTY, NoDrafter, Proposal
 
 
 def lookup(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
@@ -27,7 +27,9 @@ def lookup(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(NoDrafter):
+    """Stateless: it reads the context each step, so accept/finish stay no-ops."""
+
     name = "ngram"
 
     def __init__(self, min_n: int, max_n: int) -> None:
@@ -38,12 +40,6 @@ class NgramDrafter:
             return EMPTY
         tokens = lookup(np.asarray(context), k, self.min_n, self.max_n)
         return Proposal(tokens, None, self.name) if tokens else EMPTY
-
-    def accept(self, context: Sequence[int]) -> None:
-        pass
-
-    def finish(self, context: Sequence[int]) -> None:
-        pass
 
 
 class NgramSource:
