@@ -12,12 +12,13 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from .acceptance import Decision, verify
+from .acceptance import Decision, Verdict, verify
 from .adaptive import KController
 from .drafters import EMPTY, Drafter, DraftSource, Proposal
 from .model import Model
 from .output import OutputStream
 from .sampling import SamplingParams, make_rng, sample_from, target_probs
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,131 @@ def check_prompt(model: Model, prompt_tokens: Sequence[int]) -> None:
         )
 
 
+def draft_rng(seed: int) -> np.random.Generator:
+    """The drafter's own random stream, derived from the request seed. Kept apart from the
+    verifier's stream so a drafter in another process draws exactly what it would in-process."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 1])))
+
+
+class Session:
+    """One request's decoding state on the side that owns the accepted tokens: the k
+    policy, the output stream, the counters. It holds no model, so the same object drives
+    the in-process loop and the orchestrator; their outputs agree by construction."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        context_length: int,
+        prompt_tokens: Sequence[int],
+        params: SamplingParams,
+        *,
+        k: int | None = None,
+        k_max: int = 16,
+        max_iterations: int | None = None,
+    ) -> None:
+        self.controller = KController(fixed=k, k_max=max(k_max, k or 1))
+        self.stats = Stats(self.controller.k_max)
+        self.out = OutputStream(tokenizer, params)
+        self.params, self.context_length, self.max_iterations = params, context_length, max_iterations
+        self.prompt_tokens = list(prompt_tokens)
+        self.context = list(prompt_tokens)
+        self._ending: str | None = None
+
+    def capacity(self) -> int:
+        """KV-cache rows the verifier should reserve up front."""
+        wanted = len(self.prompt_tokens) + self.params.max_tokens + self.controller.k_max + 1
+        return min(self.context_length, wanted)
+
+    def start(self, first: int) -> str:
+        """The token sampled from the prefill; returns the text it releases."""
+        self.context.append(first)
+        return self.out.push(first)
+
+    def plan(self) -> int | None:
+        """How many drafts the next step may verify, or None once the request is over."""
+        if self.out.done:
+            return None
+        if self.max_iterations is not None and self.stats.steps >= self.max_iterations:
+            self._ending = "max_iterations_exceeded"
+            return None
+        room = self.context_length - len(self.context)  # positions left once the pending token is fed
+        if room < 0:
+            self._ending = "length"
+            return None
+        return max(0, min(self.controller.choose(), room, self.params.max_tokens - len(self.out.tokens) - 1))
+
+    def finish_text(self) -> str:
+        """When `plan` ended the request itself: mark the output finished, flush held-back text."""
+        return self.out.finish(self._ending) if self._ending and not self.out.done else ""
+
+    def record(
+        self, drafted: int, emitted: Sequence[int], accepted: int, draft_s: float, verify_s: float
+    ) -> str:
+        """Book one verify pass and push its tokens; returns the text they release."""
+        stats, controller = self.stats, self.controller
+        stats.record(drafted, accepted)
+        stats.verify_seconds += verify_s
+        stats.draft_seconds += draft_s
+        controller.costs.observe_verify(drafted + 1, verify_s)
+        controller.costs.observe_draft(drafted, draft_s)
+        controller.observe(drafted, accepted)
+        text = []
+        for token in emitted:
+            text.append(self.out.push(token))
+            if self.out.done:
+                break
+        self.context.extend(emitted)
+        return "".join(text)
+
+    def completion(self, *, wall: float, prefill_seconds: float, seed: int, drafter: str) -> Completion:
+        out = self.out
+        return Completion(
+            prompt_tokens=self.prompt_tokens,
+            tokens=out.tokens,
+            text=out.text,
+            finish_reason=out.finish_reason or "length",
+            stats={
+                "wall_seconds": wall,
+                "prefill_seconds": prefill_seconds,
+                "tokens_per_second": len(out.tokens) / wall if wall > 0 else 0.0,
+                "seed": seed,
+                "drafter": drafter,
+                **self.stats.as_dict(),
+            },
+        )
+
+
+class TargetState:
+    """One request's state on the side that holds the target model: its KV cache and the
+    verifier's random stream. `draws` counts the uniforms spent, so a restarted verifier
+    can resume the same stream (`PCG64.advance`) and keep a seeded request reproducible."""
+
+    def __init__(
+        self, model: Model, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int
+    ) -> None:
+        self.model, self.params, self.seed = model, params, seed
+        bits = np.random.PCG64(seed)
+        bits.advance(draws)
+        self.rng, self.draws = np.random.Generator(bits), draws
+        self.cache = model.new_cache(capacity=capacity)
+
+    def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
+        """Feed `tokens`; sample the next token from the last position if asked."""
+        logits = self.model.forward(self.cache, tokens, all_logits=False)
+        if not sample:
+            return None, None
+        token, u = sample_from(target_probs(logits[0], self.params), self.rng)
+        self.draws += u is not None
+        return token, u
+
+    def conclude(self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None) -> Verdict:
+        """Apply the acceptance rule to a forward over [pending, *drafts] and roll back."""
+        verdict = verify(drafts, draft_probs, target_probs(logits, self.params), self.rng)
+        self.cache.truncate(self.cache.length - len(drafts) + verdict.accepted)
+        self.draws += sum(d.u is not None for d in verdict.decisions) + (verdict.final_u is not None)
+        return verdict
+
+
 def decode(
     model: Model,
     prompt_tokens: Sequence[int],
@@ -104,30 +230,22 @@ def decode(
     """Generate with speculation; `k=None` lets the adaptive controller choose k each step."""
     check_prompt(model, prompt_tokens)
     assert model.tokenizer is not None
-    controller = KController(fixed=k, k_max=max(k_max, k or 1))
-    rng, seed = make_rng(params.seed)
-    out = OutputStream(model.tokenizer, params)
-    stats = Stats(controller.k_max)
-    drafter = GuardedDrafter(source.start(prompt_tokens, params, rng))
+    _, seed = make_rng(params.seed)
+    session = Session(
+        model.tokenizer, model.cfg.context_length, prompt_tokens, params,
+        k=k, k_max=k_max, max_iterations=max_iterations,
+    )  # fmt: skip
+    target = TargetState(model, params, seed, capacity=session.capacity())
+    drafter = GuardedDrafter(source.start(prompt_tokens, params, draft_rng(seed)))
     emit = on_text or (lambda _text: None)
-    context_limit = model.cfg.context_length
-    cache = model.new_cache(capacity=min(context_limit, len(prompt_tokens) + params.max_tokens + k_max + 1))
 
     start = time.perf_counter()
-    logits = model.forward(cache, prompt_tokens, all_logits=False)
+    first, _ = target.prefill(prompt_tokens)
+    assert first is not None
     prefill_seconds = time.perf_counter() - start
-    first, _ = sample_from(target_probs(logits[0], params), rng)
-    context = [*prompt_tokens, first]
-    emit(out.push(first))
-    while not out.done:
-        if max_iterations is not None and stats.steps >= max_iterations:
-            emit(out.finish("max_iterations_exceeded"))
-            break
-        room = context_limit - cache.length - 1  # positions left once the pending token is fed
-        if room < 0:
-            emit(out.finish("length"))
-            break
-        want = min(controller.choose(), room, params.max_tokens - len(out.tokens) - 1)
+    emit(session.start(first))
+    while (want := session.plan()) is not None:
+        context = session.context
         t0 = time.perf_counter()
         proposal = drafter.propose(context, want)
         draft_seconds = time.perf_counter() - t0
@@ -135,21 +253,14 @@ def decode(
         probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
 
         t0 = time.perf_counter()
-        logits = model.forward(cache, [context[-1], *drafted])
-        verdict = verify(drafted, probs, target_probs(logits, params), rng)
+        logits = model.forward(target.cache, [context[-1], *drafted])
+        verdict = target.conclude(logits, drafted, probs)
         verify_seconds = time.perf_counter() - t0
-        cache.truncate(cache.length - len(drafted) + verdict.accepted)
-
-        stats.record(len(drafted), verdict.accepted)
-        stats.verify_seconds += verify_seconds
-        stats.draft_seconds += draft_seconds
-        controller.costs.observe_verify(len(drafted) + 1, verify_seconds)
-        controller.costs.observe_draft(len(drafted), draft_seconds)
-        controller.observe(len(drafted), verdict.accepted)
+        emit(session.record(len(drafted), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds))
         if on_step is not None:
             on_step(
                 StepRecord(
-                    stats.steps,
+                    session.stats.steps,
                     proposal.drafter or drafter.name,
                     drafted,
                     verdict.tokens,
@@ -157,30 +268,13 @@ def decode(
                     verdict.final_u,
                 )
             )
-        for token in verdict.tokens:
-            emit(out.push(token))
-            if out.done:
-                break
-        context.extend(verdict.tokens)
-        drafter.accept(context)
+        drafter.accept(session.context)
+    emit(session.finish_text())
 
     wall = time.perf_counter() - start
-    drafter.finish([*prompt_tokens, *out.tokens])
-    stats.draft_failures = drafter.failures
-    return Completion(
-        prompt_tokens=list(prompt_tokens),
-        tokens=out.tokens,
-        text=out.text,
-        finish_reason=out.finish_reason or "length",
-        stats={
-            "wall_seconds": wall,
-            "prefill_seconds": prefill_seconds,
-            "tokens_per_second": len(out.tokens) / wall if wall > 0 else 0.0,
-            "seed": seed,
-            "drafter": source.name,
-            **stats.as_dict(),
-        },
-    )
+    drafter.finish([*prompt_tokens, *session.out.tokens])
+    session.stats.draft_failures = drafter.failures
+    return session.completion(wall=wall, prefill_seconds=prefill_seconds, seed=seed, drafter=source.name)
 
 
 class GuardedDrafter:

@@ -65,7 +65,8 @@ class ModelDrafter:
             tokens.append(token)
             rows.append(probs)
             pending = [token]
-        return Proposal(tokens, None if self.params.greedy else np.stack(rows), self.name)
+        # float32 rows: what crosses the wire to a remote verifier, so both paths verify the same p.
+        return Proposal(tokens, None if self.params.greedy else np.stack(rows).astype(np.float32), self.name)
 
     def accept(self, context: Sequence[int]) -> None:
         self._sync(context)
