@@ -29,6 +29,40 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="pipeline configuration (TOML; see ops/speclanes.toml)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting"
+    )
+
+
+def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    start = sub.add_parser("start", help="start the pipeline (lanes, orchestrator) under a supervisor")
+    _add_config_flags(start)
+    start.add_argument("--detach", action="store_true", help="run in the background; return once it is ready")
+    start.add_argument(
+        "--wait", type=float, default=120.0, help="with --detach: seconds to wait for readiness"
+    )
+    stop = sub.add_parser("stop", help="stop a pipeline started with `speclanes start`")
+    _add_config_flags(stop)
+    status = sub.add_parser("status", help="lanes, pids, restarts, active requests, speculation totals")
+    _add_config_flags(status)
+    status.add_argument("--connect", metavar="ADDR", help="orchestrator address (default: from the config)")
+    status.add_argument("--json", action="store_true")
+    stream = sub.add_parser("stream", help="stream a completion from a running pipeline")
+    _add_config_flags(stream)
+    stream.add_argument("--connect", metavar="ADDR", help="orchestrator address (default: from the config)")
+    stream.add_argument("--drafter", choices=DRAFTERS, default=None, help="default: the pipeline's")
+    stream.add_argument(
+        "--k", default=None, help="draft tokens per step: 0-32 or auto (default: the pipeline's)"
+    )
+    stream.add_argument("--max-iterations", type=int, default=None)
+    stream.add_argument(
+        "--wait", type=float, default=60.0, help="seconds to wait for the pipeline to be ready"
+    )
+    _add_sampling_flags(stream)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speclanes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--k", default="auto", help="draft tokens per step: a number 0-32, or auto (default)")
     gen.add_argument("--max-iterations", type=int, default=None, help="end the request after this many steps")
     _add_sampling_flags(gen)
+    _add_pipeline_commands(sub)
     bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     model_bench = bench_sub.add_parser("model", help="forward cost by block size vs the memory floor")
@@ -132,6 +167,127 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace):
+    from .config import load_config
+
+    return load_config(args.config, args.set)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from .client import Client
+    from .supervisor import pid_file, supervise
+
+    config = _config(args)
+    if not args.detach:
+        supervise(config)
+        return 0
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pipeline.cli", "start"]
+    command += ["--config", os.path.abspath(args.config)] if args.config else []
+    command += [f"--set={item}" for item in args.set]
+    with (run_dir / "supervisor.log").open("ab") as log:
+        proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
+    client = Client(config.addresses.client, timeout=2.0)
+    try:
+        client.wait_ready(args.wait)
+    except Exception:
+        proc.terminate()
+        raise
+    print(
+        f"speclanes: pipeline up (supervisor pid {proc.pid}; logs in {run_dir}; pid file {pid_file(config)})"
+    )
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import time
+
+    from .supervisor import pid_file
+
+    path = pid_file(_config(args))
+    try:
+        pid = int(path.read_text())
+    except (OSError, ValueError):
+        raise ValueError(f"no running pipeline (no pid file at {path})") from None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        raise ValueError(f"the supervisor (pid {pid}) is not running; removed its stale pid file") from None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"speclanes: stopped (supervisor pid {pid})")
+            return 0
+        time.sleep(0.1)
+    raise ValueError(f"the supervisor (pid {pid}) did not stop within 30 s")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    config = _config(args)
+    report = Client(args.connect or config.addresses.client, timeout=5.0).status()
+    if args.json:
+        data = msgspec.to_builtins(report)
+        for lane, status in zip(data["lanes"], report.lanes, strict=True):
+            lane["totals"]["acceptance"] = status.totals.acceptance
+        data["totals"]["acceptance"] = report.totals.acceptance
+        print(msgspec.json.encode(data).decode())
+        return 0
+    print(f"{'lane':<13}{'state':<10}{'pid':>8}{'restarts':>10}{'active':>8}{'drafted':>10}{'accepted':>10}")
+    for lane in report.lanes:
+        t = lane.totals
+        print(
+            f"{lane.name:<13}{lane.state:<10}{lane.pid or '-':>8}{lane.restarts:>10}{lane.active_requests:>8}"
+            f"{t.drafted:>10}{t.accepted:>10}"
+        )
+    t = report.totals
+    print(
+        f"requests: {report.active_requests} active, {t.runs} finished; acceptance {t.acceptance:.2f}; "
+        f"audit events pending: {report.audit_pending}; faults: {len(report.faults)}"
+    )
+    return 0
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    from .client import Client
+    from .prompts import load_messages
+
+    params = _sampling(args)
+    k = parse_k(args.k) if args.k is not None else None
+    messages = load_messages(args.messages) if args.messages else None
+    if messages is not None and args.prompt is not None:
+        raise ValueError("give either a PROMPT or --messages, not both")
+    config = _config(args)
+    with Client(args.connect or config.addresses.client) as client:
+        client.wait_ready(args.wait)
+        submitted = client.submit(
+            args.prompt, messages=messages, chat=args.chat, params=params,
+            drafter=args.drafter, k=k, max_iterations=args.max_iterations,
+        )  # fmt: skip
+        for item in client.chunks(submitted.request_id):
+            if isinstance(item, dict):
+                if "error" in item:
+                    raise ValueError(f"request {item['request_id']} failed: {item['error']['message']}")
+                sys.stdout.write(msgspec.json.encode(item).decode() + "\n" if args.json else "\n")
+            elif not args.json:
+                sys.stdout.write(item.text)
+                sys.stdout.flush()
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import model_bench, speculative_bench
 
@@ -142,10 +298,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .model import ModelFileError
 
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "bench": cmd_bench}
+    from .client import PipelineError
+
+    handlers = {
+        "generate": cmd_generate,
+        "bench": cmd_bench,
+        "start": cmd_start,
+        "stop": cmd_stop,
+        "status": cmd_status,
+        "stream": cmd_stream,
+    }
     try:
         return handlers[args.command](args)
-    except (ModelFileError, ValueError) as exc:
+    except (ModelFileError, ValueError, PipelineError, OSError) as exc:
         print(f"speclanes: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -30,3 +30,19 @@ def make_draft_source(name: str, target: Model, draft_model: Model | None = None
             sources.append(ModelSource(draft_model, target))
         return CompositeSource(sources)
     raise ValueError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
+
+
+def make_draft_sources(target: Model, draft_model: Model | None = None) -> dict[str, DraftSource]:
+    """Every drafter a long-lived draft lane serves, sharing one cross-request suffix table."""
+    suffix = SuffixSource()
+    free: list[DraftSource] = [NgramSource(), suffix]
+    model = [ModelSource(draft_model, target)] if draft_model is not None else []
+    sources: dict[str, DraftSource] = {
+        "none": NoDraftSource(),
+        "ngram": free[0],
+        "suffix": suffix,
+        "auto": CompositeSource([*free, *model]),
+    }
+    if model:
+        sources["model"] = model[0]
+    return sources

@@ -1,0 +1,47 @@
+"""The audit lane: persists every event before acknowledging it.
+
+Events arriving together are written in one transaction and acknowledged together; the
+orchestrator keeps each event until its acknowledgement comes back, so a crash here
+loses nothing and a re-sent event is ignored by its id.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from pipeline.audit_store import AuditStore
+from pipeline.lane import LaneContext, lane_main
+from pipeline.messages import AuditAck, AuditInbox, BadMessage
+from pipeline.transport import Inbox, Outbox
+
+
+async def serve(lane: LaneContext) -> None:
+    config = lane.config
+    store = AuditStore(config.audit.path)
+    inbox: Inbox = Inbox(config.bind("audit"), AuditInbox)
+    acks = Outbox(config.addresses.data)
+    lane.heartbeat()
+    while True:
+        messages = [await inbox.next(), *inbox.ready()]
+        events = []
+        for msg in messages:
+            if isinstance(msg, BadMessage):
+                lane.fault("bad_request", str(msg))
+            else:
+                events.append(msg)
+        if not events:
+            continue
+        ids = store.add(events)
+        lane.state.runs += len(ids)
+        try:
+            await acks.put(AuditAck(event_ids=ids), timeout=config.timeouts.send)
+        except trio.TooSlowError:
+            lane.fault("timeout", "the orchestrator did not take an audit acknowledgement")
+
+
+def main() -> None:
+    lane_main("audit", serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The verify lane: the target model, one KV cache per active request, the acceptance rule.
+
+Requests waiting at the same time are verified in one batched forward: the weights are
+read once for all their rows, attention stays per request. Each (request, step) is
+executed once; a repeat is answered from the reply cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from pipeline.lane import LaneContext, lane_main
+from pipeline.messages import (
+    BadMessage,
+    Close,
+    Open,
+    Opened,
+    StepFailed,
+    Verified,
+    Verify,
+    VerifyInbox,
+)
+from pipeline.model import Model, default_model_path
+from pipeline.speculative import TargetState
+from pipeline.transport import Inbox, Outbox
+
+IDLE_SECONDS = 600.0  # a request not heard of for this long is dropped (its Close was lost)
+
+
+@dataclass
+class Request:
+    target: TargetState
+    step: int  # the last step executed
+    reply: Opened | Verified | None = None
+    seen: float = field(default_factory=time.monotonic)
+
+
+class Verifier:
+    def __init__(self, model: Model, lane: LaneContext) -> None:
+        self.model, self.lane = model, lane
+        self.requests: dict[str, Request] = {}
+
+    def fail(self, msg: Open | Verify, kind: str, message: str) -> StepFailed:
+        if kind != "unknown_request":
+            self.lane.fault(kind, message, msg.request_id, msg.step)  # type: ignore[arg-type]
+        origin = "open" if isinstance(msg, Open) else "verify"
+        return StepFailed(request_id=msg.request_id, step=msg.step, origin=origin, kind=kind, message=message)  # type: ignore[arg-type]
+
+    def check_tokens(self, tokens: list[int]) -> str | None:
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            return f"token id out of range [0, {vocab})"
+        return None
+
+    def open(self, msg: Open) -> Opened | StepFailed:
+        known = self.requests.get(msg.request_id)
+        if known and isinstance(known.reply, Opened) and known.step == msg.step:
+            return known.reply
+        context = self.model.cfg.context_length
+        if not msg.tokens or len(msg.tokens) >= context:
+            return self.fail(
+                msg, "bad_request", f"{len(msg.tokens)} prompt tokens for a context of {context}"
+            )
+        if (problem := self.check_tokens(msg.tokens)) is not None:
+            return self.fail(msg, "bad_request", problem)
+        start = time.perf_counter()
+        capacity = max(min(msg.capacity, context), len(msg.tokens) + 1)
+        target = TargetState(self.model, msg.params, msg.seed, draws=msg.draws, capacity=capacity)
+        token, u = target.prefill(msg.tokens, sample=msg.sample)
+        reply = Opened(
+            request_id=msg.request_id, step=msg.step, trace=msg.trace,
+            token=token, u=u, draws=target.draws, seconds=time.perf_counter() - start,
+        )  # fmt: skip
+        self.requests[msg.request_id] = Request(target, msg.step, reply)
+        self.lane.state.runs += msg.sample
+        return reply
+
+    def admit(self, msg: Verify) -> Request | Verified | StepFailed:
+        """The request to run this step for, a cached reply for a repeat, or why not."""
+        request = self.requests.get(msg.request_id)
+        if request is None:
+            return self.fail(msg, "unknown_request", "no state for this request here (re-prime it)")
+        request.seen = time.monotonic()
+        if msg.step == request.step and isinstance(request.reply, Verified):
+            return request.reply
+        if msg.step != request.step + 1 or msg.position != request.target.cache.length:
+            return self.fail(
+                msg, "unknown_request",
+                f"step {msg.step} at position {msg.position}, but this lane is at step {request.step}, "
+                f"position {request.target.cache.length}",
+            )  # fmt: skip
+        if (problem := self.check_tokens([msg.pending, *msg.drafts])) is not None:
+            return self.fail(msg, "bad_request", problem)
+        if msg.draft_probs is not None:
+            shape = msg.draft_probs.shape
+            if shape != (len(msg.drafts), self.model.cfg.vocab_size):
+                return self.fail(
+                    msg, "bad_request", f"draft rows of shape {shape} for {len(msg.drafts)} drafts"
+                )
+        return request
+
+    def verify_batch(self, batch: list[tuple[Verify, Request]]) -> list[Verified | StepFailed]:
+        start = time.perf_counter()
+        try:
+            all_logits = self.model.forward_batch(
+                [(request.target.cache, [msg.pending, *msg.drafts]) for msg, request in batch]
+            )
+        except Exception as exc:
+            for msg, _ in batch:  # their caches may be half-written: a re-prime rebuilds them
+                self.requests.pop(msg.request_id, None)
+            return [self.fail(msg, "verification_failed", f"forward failed: {exc!r}") for msg, _ in batch]
+        replies: list[Verified | StepFailed] = []
+        for (msg, request), logits in zip(batch, all_logits, strict=True):
+            probs = None if msg.draft_probs is None else msg.draft_probs.array()
+            verdict = request.target.conclude(logits, msg.drafts, probs)
+            request.step = msg.step
+            request.reply = Verified(
+                request_id=msg.request_id, step=msg.step, trace=msg.trace,
+                tokens=verdict.tokens, accepted=verdict.accepted, decisions=verdict.decisions,
+                final_u=verdict.final_u, draws=request.target.draws, batch_size=len(batch),
+                seconds=time.perf_counter() - start,
+            )  # fmt: skip
+            replies.append(request.reply)
+            state = self.lane.state
+            state.drafted += len(msg.drafts)
+            state.accepted += verdict.accepted
+        self.lane.state.batches += 1
+        self.lane.state.batched_rows += sum(1 + len(msg.drafts) for msg, _ in batch)
+        return replies
+
+    def handle(
+        self, messages: list[Open | Verify | Close | BadMessage]
+    ) -> list[Opened | Verified | StepFailed]:
+        replies: list[Opened | Verified | StepFailed] = []
+        batch: dict[str, tuple[Verify, Request]] = {}
+        later: list[Open | Verify | Close | BadMessage] = []
+        for msg in messages:
+            if isinstance(msg, BadMessage):
+                self.lane.fault("bad_request", str(msg))
+            elif isinstance(msg, Close):
+                self.requests.pop(msg.request_id, None)
+            elif isinstance(msg, Open):
+                replies.append(self.open(msg))
+            elif msg.request_id in batch:
+                later.append(msg)  # a second step of one request waits for this batch
+            else:
+                admitted = self.admit(msg)
+                if isinstance(admitted, Request):
+                    batch[msg.request_id] = (msg, admitted)
+                else:
+                    replies.append(admitted)
+        if batch:
+            replies.extend(self.verify_batch(list(batch.values())))
+        if later:
+            replies.extend(self.handle(later))
+        self.lane.state.active_requests = len(self.requests)
+        return replies
+
+    def expire(self) -> None:
+        cutoff = time.monotonic() - IDLE_SECONDS
+        for request_id in [r for r, req in self.requests.items() if req.seen < cutoff]:
+            del self.requests[request_id]
+
+    def waiting_for_more(self, messages: list[object]) -> bool:
+        """Other active requests may be about to send a step: worth a short wait to batch them."""
+        steps = {m.request_id for m in messages if isinstance(m, Verify)}
+        return (
+            bool(steps) and len(steps) < len(self.requests) and not any(isinstance(m, Open) for m in messages)
+        )
+
+
+async def serve(lane: LaneContext) -> None:
+    config = lane.config
+    model = Model.load(config.model.path or default_model_path())
+    verifier = Verifier(model, lane)
+    inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox)
+    results = Outbox(config.addresses.data)
+    window = config.run.batch_window_seconds
+    lane.heartbeat()  # tells the orchestrator we are ready
+    while True:
+        messages = [await inbox.next(), *inbox.ready()]
+        deadline = trio.current_time() + window
+        while verifier.waiting_for_more(messages) and trio.current_time() < deadline:
+            with trio.move_on_at(deadline):
+                messages.append(await inbox.next())
+            messages.extend(inbox.ready())
+        for reply in verifier.handle(messages):
+            try:
+                await results.put(reply, timeout=config.timeouts.send)
+            except trio.TooSlowError:
+                lane.fault("timeout", "the orchestrator did not take a verify result", reply.request_id)
+        verifier.expire()
+
+
+def main() -> None:
+    lane_main("verify", serve)
+
+
+if __name__ == "__main__":
+    main()

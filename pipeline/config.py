@@ -1,0 +1,179 @@
+"""The pipeline's configuration: one TOML file, validated by msgspec, then overridden by
+environment variables (`SPECLANES_<SECTION>_<KEY>`) and `--set section.key=value` flags,
+in that order. `{run_dir}` in any string expands to the run directory, so the defaults
+put every socket and the audit store in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+LANES = ("orchestrator", "verify", "draft", "audit")
+
+
+def default_run_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return str(Path(base) / f"speclanes-{os.getuid()}")
+
+
+class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Run(Section):
+    dir: str = ""
+    # Which processes this host's supervisor runs (multi-host: split them across hosts).
+    components: list[Literal["orchestrator", "verify", "draft", "audit"]] = msgspec.field(
+        default_factory=lambda: list(LANES)
+    )
+    heartbeat_seconds: float = 0.5
+    batch_window_seconds: float = 0.004  # how long the verifier waits to batch requests
+
+
+class ModelSection(Section):
+    path: str = ""  # empty: the embedded SmolLM2-135M-Instruct
+    draft_path: str = ""  # a smaller GGUF with the same vocabulary, for the `model` drafter
+
+
+class Speculation(Section):
+    drafter: Literal["none", "ngram", "suffix", "model", "auto"] = "auto"
+    k: int | Literal["auto"] = "auto"
+    k_max: int = 16
+    max_iterations: int = 0  # 0: no limit
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, int) and not 0 <= self.k <= 32:
+            raise ValueError(f"speculation.k must be 0..32 or 'auto', got {self.k}")
+        if not 1 <= self.k_max <= 32:
+            raise ValueError(f"speculation.k_max must be 1..32, got {self.k_max}")
+
+
+class Addresses(Section):
+    """Where each inbox listens; senders dial the same string. nng URLs: ipc://PATH or tcp://HOST:PORT."""
+
+    client: str = "ipc://{run_dir}/client.ipc"
+    control: str = "ipc://{run_dir}/control.ipc"
+    data: str = "ipc://{run_dir}/data.ipc"
+    verify: str = "ipc://{run_dir}/verify.ipc"
+    draft: str = "ipc://{run_dir}/draft.ipc"
+    audit: str = "ipc://{run_dir}/audit.ipc"
+
+
+class Listen(Section):
+    """Optional bind addresses when they differ from what peers dial (tcp://0.0.0.0:PORT)."""
+
+    client: str = ""
+    control: str = ""
+    data: str = ""
+    verify: str = ""
+    draft: str = ""
+    audit: str = ""
+
+
+class Timeouts(Section):
+    draft: float = 0.5  # a slower proposal is skipped: the step runs as plain decoding
+    verify: float = 10.0  # then the step is re-sent (idempotent by request and step)
+    prefill_per_token: float = 0.01  # added to `verify` for Open
+    send: float = 5.0
+    client_idle: float = 30.0  # a running request nobody polls for this long is cancelled
+    retain: float = 120.0  # a finished request's chunks stay available for resuming this long
+    poll_wait_max: float = 10.0
+
+
+class Restart(Section):
+    initial_backoff: float = 0.2
+    max_backoff: float = 10.0
+    reset_after: float = 30.0  # a lane up this long starts its back-off afresh
+    shutdown_grace: float = 3.0  # SIGTERM, then SIGKILL after this long
+
+
+class Audit(Section):
+    path: str = "{run_dir}/audit.sqlite"
+    resend_after: float = 1.0  # unacknowledged events are sent again after this long
+
+
+class Config(Section):
+    run: Run = msgspec.field(default_factory=Run)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    speculation: Speculation = msgspec.field(default_factory=Speculation)
+    addresses: Addresses = msgspec.field(default_factory=Addresses)
+    listen: Listen = msgspec.field(default_factory=Listen)
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    restart: Restart = msgspec.field(default_factory=Restart)
+    audit: Audit = msgspec.field(default_factory=Audit)
+
+    def bind(self, name: str) -> str:
+        return getattr(self.listen, name) or getattr(self.addresses, name)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _value(text: str) -> Any:
+    """A TOML value if it parses as one (3, 0.5, true, ["a"]), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
+    section, _, key = dotted.partition(".")
+    fields = Config.__struct_fields__
+    if section not in fields or not key:
+        raise ConfigError(f"{origin}: unknown setting {dotted!r} (sections: {', '.join(fields)})")
+    data.setdefault(section, {})[key] = value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for section, section_type in Config.__annotations__.items():
+        for key in globals()[section_type].__struct_fields__:
+            env_name = f"SPECLANES_{section}_{key}".upper()
+            if env_name in environ:
+                _set(data, f"{section}.{key}", _value(environ[env_name]), env_name)
+    for item in overrides:
+        dotted, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set takes section.key=value, got {item!r}")
+        _set(data, dotted.strip(), _value(text.strip()), "--set")
+    try:
+        config = msgspec.convert(data, Config)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ConfigError(f"{path or 'configuration'}: {exc}") from None
+    return expand(config)
+
+
+def expand(config: Config) -> Config:
+    run_dir = config.run.dir or default_run_dir()
+    raw = msgspec.to_builtins(config)
+    raw["run"]["dir"] = run_dir
+
+    def sub(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: sub(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [sub(v) for v in node]
+        return node.replace("{run_dir}", run_dir) if isinstance(node, str) else node
+
+    return msgspec.convert(sub(raw), Config)

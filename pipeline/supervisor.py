@@ -1,0 +1,119 @@
+"""The supervisor: starts the lanes and the orchestrator, restarts whatever dies.
+
+Each child gets a lifeline (a pipe on its stdin that only we hold) and its own session,
+so a terminal's Ctrl-C reaches only us and we shut the children down in order. A dead
+child is announced on the control lane (LaneDown, a lane_down fault) and restarted with
+exponential back-off; LaneUp follows. SIGINT/SIGTERM: SIGTERM every child, SIGKILL any
+still alive after the grace period. If we are killed outright the lifelines close and
+the children exit on their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import trio
+
+from .config import Config
+from .messages import Fault, LaneDown, LaneUp, Shutdown
+from .model.default import default_model_path
+from .model.store import load_prepared
+from .transport import Outbox
+
+log = logging.getLogger(__name__)
+
+MODULES = {
+    "orchestrator": "pipeline.orchestrator",
+    "verify": "lanes.verify",
+    "draft": "lanes.draft",
+    "audit": "lanes.audit",
+}
+
+
+def pid_file(config: Config) -> Path:
+    return Path(config.run.dir) / "supervisor.pid"
+
+
+class Supervisor:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.run_dir = Path(config.run.dir)
+        self.children: dict[str, trio.Process] = {}
+        self.control = Outbox(config.addresses.control)
+
+    def announce(self, message: LaneUp | LaneDown | Fault | Shutdown) -> None:
+        if not self.control.put_nowait(message):
+            log.info("control lane not connected; %s not delivered", type(message).__name__)
+
+    async def keep_running(self, name: str, config_path: Path) -> None:
+        restart = self.config.restart
+        backoff, restarts = restart.initial_backoff, 0
+        log_file = (self.run_dir / f"{name}.log").open("ab")
+        command = [sys.executable, "-m", MODULES[name], str(config_path), "--lifeline"]
+        while True:
+            proc = await trio.lowlevel.open_process(
+                command, stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, start_new_session=True
+            )
+            self.children[name] = proc
+            started = time.monotonic()
+            log.info("%s started (pid %d, restarts %d)", name, proc.pid, restarts)
+            self.announce(LaneUp(lane=name, pid=proc.pid, restarts=restarts))
+            await proc.wait()
+            restarts += 1
+            log.warning("%s (pid %d) exited with %s; restart %d", name, proc.pid, proc.returncode, restarts)
+            self.announce(LaneDown(lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts))
+            if time.monotonic() - started > restart.reset_after:
+                backoff = restart.initial_backoff
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, restart.max_backoff)
+
+    async def stop_children(self) -> None:
+        alive = [p for p in self.children.values() if p.returncode is None]
+        for proc in alive:
+            proc.terminate()
+        with trio.move_on_after(self.config.restart.shutdown_grace):
+            for proc in alive:
+                await proc.wait()
+        for proc in alive:
+            if proc.returncode is None:
+                log.warning("pid %d ignored SIGTERM: killing it", proc.pid)
+                proc.kill()
+                await proc.wait()
+
+    async def run(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "config.json"
+        config_path.write_bytes(msgspec.json.encode(self.config))
+        # Prepare the weights once here, not three times at once in the lanes.
+        models = [self.config.model.path or str(default_model_path())]
+        if self.config.model.draft_path:
+            models.append(self.config.model.draft_path)
+        for model in models:
+            await trio.to_thread.run_sync(load_prepared, Path(model))
+        pid_file(self.config).write_text(str(os.getpid()))
+        try:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async with trio.open_nursery() as nursery:
+                    for name in self.config.run.components:
+                        nursery.start_soon(self.keep_running, name, config_path)
+                    async for signum in signals:
+                        log.info("%s: shutting down", signal.Signals(signum).name)
+                        self.announce(Shutdown(reason=signal.Signals(signum).name))
+                        nursery.cancel_scope.cancel()
+                        break
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.stop_children()
+            pid_file(self.config).unlink(missing_ok=True)
+
+
+def supervise(config: Config) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
+    trio.run(Supervisor(config).run)
