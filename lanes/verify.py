@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import trio
 
 from pipeline.lane import LaneContext, lane_main
@@ -35,6 +36,7 @@ class Request:
     target: TargetState
     step: int  # the last step executed
     reply: Opened | Verified | None = None
+    probs: np.ndarray | None = None  # the admitted step's draft rows, decoded and checked
     seen: float = field(default_factory=time.monotonic)
 
 
@@ -94,12 +96,22 @@ class Verifier:
             )  # fmt: skip
         if (problem := self.check_tokens([msg.pending, *msg.drafts])) is not None:
             return self.fail(msg, "bad_request", problem)
+        if msg.position + 1 + len(msg.drafts) > self.model.cfg.context_length:
+            return self.fail(
+                msg, "bad_request", f"{len(msg.drafts)} drafts at {msg.position} overrun the context"
+            )
         if msg.draft_probs is not None:
             shape = msg.draft_probs.shape
             if shape != (len(msg.drafts), self.model.cfg.vocab_size):
                 return self.fail(
                     msg, "bad_request", f"draft rows of shape {shape} for {len(msg.drafts)} drafts"
                 )
+            try:
+                request.probs = msg.draft_probs.array()
+            except BadMessage as exc:
+                return self.fail(msg, "bad_request", str(exc))
+        else:
+            request.probs = None
         return request
 
     def verify_batch(self, batch: list[tuple[Verify, Request]]) -> list[Verified | StepFailed]:
@@ -114,8 +126,7 @@ class Verifier:
             return [self.fail(msg, "verification_failed", f"forward failed: {exc!r}") for msg, _ in batch]
         replies: list[Verified | StepFailed] = []
         for (msg, request), logits in zip(batch, all_logits, strict=True):
-            probs = None if msg.draft_probs is None else msg.draft_probs.array()
-            verdict = request.target.conclude(logits, msg.drafts, probs)
+            verdict = request.target.conclude(logits, msg.drafts, request.probs)
             request.step = msg.step
             request.reply = Verified(
                 request_id=msg.request_id, step=msg.step, trace=msg.trace,

@@ -96,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     spec_bench.add_argument("--repeats", type=int, default=3)
     spec_bench.add_argument("--max-tokens", type=int, default=128)
     spec_bench.add_argument("--json", action="store_true")
+    pipe_bench = bench_sub.add_parser(
+        "pipeline", help="pipeline vs in-process tokens/s, and 1 vs N concurrent clients"
+    )
+    pipe_bench.add_argument("--model", metavar="PATH")
+    pipe_bench.add_argument("--drafters", default="none,ngram,auto", help="single-stream drafters")
+    pipe_bench.add_argument("--repeats", type=int, default=3)
+    pipe_bench.add_argument("--max-tokens", type=int, default=128, help="single stream (EOS ignored)")
+    pipe_bench.add_argument("--load-drafters", default="none,auto")
+    pipe_bench.add_argument("--clients", type=int, default=8, help="concurrent clients in the load test")
+    pipe_bench.add_argument("--load-tokens", type=int, default=80, help="new tokens per load request")
+    pipe_bench.add_argument("--load-repeats", type=int, default=2)
+    pipe_bench.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
+    )
+    pipe_bench.add_argument("--json", action="store_true")
     return parser
 
 
@@ -289,9 +304,10 @@ def cmd_stream(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import model_bench, speculative_bench
+    from .bench import model_bench, pipeline_bench, speculative_bench
 
-    return {"model": model_bench, "speculative": speculative_bench}[args.bench].main(args)
+    benches = {"model": model_bench, "speculative": speculative_bench, "pipeline": pipeline_bench}
+    return benches[args.bench].main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,8 +18,8 @@ import msgspec
 LANES = ("orchestrator", "verify", "draft", "audit")
 
 
-def default_run_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
+    base = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return str(Path(base) / f"speclanes-{os.getuid()}")
 
 
@@ -125,12 +125,14 @@ def _value(text: str) -> Any:
         return text
 
 
-def _set(data: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
+def _set(data: dict[str, Any], dotted: str, text: str, origin: str) -> None:
     section, _, key = dotted.partition(".")
     fields = Config.__struct_fields__
     if section not in fields or not key:
         raise ConfigError(f"{origin}: unknown setting {dotted!r} (sections: {', '.join(fields)})")
-    data.setdefault(section, {})[key] = value
+    # A string setting keeps the text as typed: a path like 2024-01-01 must not become a date.
+    types = {f.name: f.type for f in msgspec.structs.fields(type(getattr(Config(), section)))}
+    data.setdefault(section, {})[key] = text if types.get(key) is str else _value(text)
 
 
 def load_config(
@@ -151,21 +153,21 @@ def load_config(
         for key in globals()[section_type].__struct_fields__:
             env_name = f"SPECLANES_{section}_{key}".upper()
             if env_name in environ:
-                _set(data, f"{section}.{key}", _value(environ[env_name]), env_name)
+                _set(data, f"{section}.{key}", environ[env_name], env_name)
     for item in overrides:
         dotted, sep, text = item.partition("=")
         if not sep:
             raise ConfigError(f"--set takes section.key=value, got {item!r}")
-        _set(data, dotted.strip(), _value(text.strip()), "--set")
+        _set(data, dotted.strip(), text.strip(), "--set")
     try:
         config = msgspec.convert(data, Config)
     except (msgspec.ValidationError, ValueError) as exc:
         raise ConfigError(f"{path or 'configuration'}: {exc}") from None
-    return expand(config)
+    return expand(config, environ)
 
 
-def expand(config: Config) -> Config:
-    run_dir = config.run.dir or default_run_dir()
+def expand(config: Config, environ: Mapping[str, str] | None = None) -> Config:
+    run_dir = config.run.dir or default_run_dir(environ)
     raw = msgspec.to_builtins(config)
     raw["run"]["dir"] = run_dir
 

@@ -130,6 +130,7 @@ class Request:
     done: dict[str, Any] | None = None
     changed: trio.Event = field(default_factory=trio.Event)
     last_poll: float = field(default_factory=time.monotonic)
+    pollers: int = 0  # polls waiting right now: a client in a long poll is not idle
     finished_at: float | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     step: int = 0  # the last completed step
@@ -461,12 +462,15 @@ class Orchestrator:
             return ErrorReply(
                 kind="unknown_request", message=f"no request {msg.request_id!r} (finished long ago?)"
             )
-        req.last_poll = time.monotonic()
         wait = min(max(msg.wait, 0.0), self.config.timeouts.poll_wait_max)
-        if len(req.chunks) <= msg.after + 1 and req.done is None:
-            with trio.move_on_after(wait):
-                await req.changed.wait()
-        req.last_poll = time.monotonic()
+        req.pollers += 1
+        try:
+            if len(req.chunks) <= msg.after + 1 and req.done is None:
+                with trio.move_on_after(wait):
+                    await req.changed.wait()
+        finally:
+            req.pollers -= 1
+            req.last_poll = time.monotonic()
         return Chunks(request_id=req.id, chunks=req.chunks[max(msg.after + 1, 0) :], done=req.done)
 
     def status(self) -> StatusReport:
@@ -524,7 +528,7 @@ class Orchestrator:
             await trio.sleep(0.25)
             now = time.monotonic()
             for req in list(self.requests.values()):
-                if req.done is None and now - req.last_poll > timeouts.client_idle:
+                if req.done is None and not req.pollers and now - req.last_poll > timeouts.client_idle:
                     log.info("client of %s went away: cancelling", req.id)
                     req.scope.cancel()
                 elif req.finished_at is not None and now - req.finished_at > timeouts.retain:

@@ -1,0 +1,492 @@
+"""What the pipeline costs and what it buys, measured side by side in one run.
+
+Single stream: the same prompt tokens decoded in this process (`speculative.decode`) and
+through a running pipeline (client -> orchestrator -> draft and verify lanes), greedy,
+with a fixed number of new tokens, so any difference in tokens/s is the price of the
+processes, sockets and polling. The two paths take turns (never at the same time: the
+machine has 2 cores), repeats are interleaved and figures are medians. The pipeline is
+timed as a client sees it, from submit to the final object.
+
+Load: the same distinct prompts from 1 client, then from N concurrent clients. The gain
+comes from the verify lane putting several requests' rows through one forward, so the
+verify lane's batch counters are reported with it, and the CPU each process used, to show
+where the time goes when the gain falls short.
+
+The benchmark starts its own pipelines in private run directories (never a user's) and
+stops them whatever happens. Every output is checked against the reference for the same
+prompt; any difference makes the exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..client import Client
+from ..config import Config, load_config
+from ..drafters.registry import make_draft_source
+from ..model import Model, default_model_path
+from ..sampling import SamplingParams
+from ..speculative import decode
+from .speculative_bench import WORKLOADS
+
+LOAD_PROMPTS = (
+    "Write a short story about a lighthouse keeper and a lost seagull.",
+    "Explain how the gears on a bicycle make pedalling easier on hills.",
+    "List five practical tips for learning a new language as an adult.",
+    "Describe the water cycle to a ten-year-old.",
+    "Write a haiku about autumn rain, then explain the imagery.",
+    "What causes the tides in the ocean?",
+    "Give a simple recipe for tomato soup with step-by-step instructions.",
+    "Invent the plot of a heist movie set in a museum of clocks.",
+)
+OVERHEAD_TARGET = 0.90  # the pipeline may lose at most 10% of in-process tokens/s
+SCALING_TARGET = 3.0  # N clients should get at least 3x the aggregate tokens/s of one
+PROCESSES = ("verify", "orchestrator", "draft", "audit")
+CORES_HEADER = "cores busy: verify orch draft audit clients others"
+
+
+def progress(text: str) -> None:
+    """Progress goes to stderr, so `--json` output stays one object."""
+    print(f"bench pipeline: {text}", file=sys.stderr, flush=True)
+
+
+# --- a private pipeline ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def running_pipeline(settings: list[str]) -> Iterator[Config]:
+    """A pipeline in a fresh temp run dir; SIGTERM to its supervisor on the way out, even on error.
+
+    The environment's SPECLANES_* settings are left out on both sides, so a user's
+    configuration cannot make the pipeline and the in-process reference differ."""
+    run_dir = Path(tempfile.mkdtemp(prefix="speclanes-bench-"))
+    overrides = [f"run.dir={run_dir}", *settings]
+    config = load_config(None, overrides, environ={})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECLANES_")}
+    command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in overrides)]
+    ok = False
+    with (run_dir / "supervisor.log").open("ab") as log:
+        proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+        )
+    try:
+        with Client(config.addresses.client, timeout=2.0) as client:
+            client.wait_ready(120.0)
+        yield config
+        ok = True
+    finally:
+        stop(proc)
+        if ok:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            progress(f"left the failed pipeline's logs in {run_dir}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """The supervisor stops its children in order on SIGTERM; SIGKILL only if it hangs."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def settled_status(client: Client, config: Config):
+    """Lane totals travel in heartbeats: wait for a few so the last step is counted."""
+    time.sleep(3 * config.run.heartbeat_seconds + 0.1)
+    return client.status()
+
+
+def lane_pids(report) -> dict[str, int]:
+    return {lane.name: lane.pid for lane in report.lanes if lane.pid}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a whole process (all its threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each lane, of this process (the clients), and of the machine."""
+    snapshot = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    times = os.times()
+    snapshot["clients"] = times.user + times.system
+    snapshot["machine"] = machine_busy_seconds()
+    return snapshot
+
+
+def busy_cores(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Cores each process kept busy on average, and `others`: everything on the machine that is
+    not ours. A busy `others` means the figures were taken on a noisy machine."""
+    cores = {name: (after[name] - before[name]) / wall for name in after}
+    machine = cores.pop("machine")
+    cores["others"] = max(0.0, machine - sum(cores.values()))
+    return cores
+
+
+# --- one request either way -----------------------------------------------------------
+
+
+def via_pipeline(client: Client, text: str, params: SamplingParams, drafter: str) -> dict:
+    """One chat request through the pipeline, timed from submit to the final object."""
+    start = time.perf_counter()
+    request_id = client.submit(text, chat=True, params=params, drafter=drafter).request_id
+    *_, done = client.chunks(request_id)
+    seconds = time.perf_counter() - start
+    assert isinstance(done, dict)
+    if "error" in done:
+        raise RuntimeError(f"pipeline request failed: {done['error']}")
+    stats = done["stats"]
+    return {
+        "prompt_tokens": done["prompt_tokens"], "tokens": done["tokens"], "text": done["text"],
+        "seconds": seconds, "tokens_per_second": len(done["tokens"]) / seconds,
+        "orchestrator_tokens_per_second": stats["tokens_per_second"], "steps": stats["steps"],
+        "acceptance_rate": stats["acceptance_rate"],
+    }  # fmt: skip
+
+
+def in_process(model: Model, prompt: list[int], params: SamplingParams, source, drafter: str) -> dict:
+    """The same request decoded here; tokens/s as `generate --json` counts it (prefill included)."""
+    completion = decode(model, prompt, params, source, k=0 if drafter == "none" else None)
+    stats = completion.stats
+    return {
+        "prompt_tokens": list(completion.prompt_tokens), "tokens": completion.tokens,
+        "text": completion.text, "seconds": stats["wall_seconds"],
+        "tokens_per_second": stats["tokens_per_second"], "steps": stats["steps"],
+        "acceptance_rate": stats["acceptance_rate"],
+    }  # fmt: skip
+
+
+def same_output(a: dict, b: dict) -> bool:
+    return a["prompt_tokens"] == b["prompt_tokens"] and a["tokens"] == b["tokens"] and a["text"] == b["text"]
+
+
+def chat_prompt(model: Model, text: str) -> list[int]:
+    assert model.tokenizer is not None
+    return model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))
+
+
+# --- 1. single stream -----------------------------------------------------------------
+
+
+def single_stream(
+    model: Model, config: Config, drafters: list[str], repeats: int, params: SamplingParams
+) -> dict:
+    """Each request in process, then through the pipeline (the other way round on odd repeats).
+
+    The in-process `auto` source lives for the whole run, like the draft lane's: both
+    cross-request caches are fed by the same requests in the same order."""
+    sources = {name: make_draft_source(name, model) for name in drafters}
+    runs: dict = {w: {d: {"in_process": [], "pipeline": []} for d in drafters} for w in WORKLOADS}
+    with Client(config.addresses.client, timeout=60.0) as client:
+        warm = SamplingParams(max_tokens=16, ignore_eos=True)
+        in_process(model, chat_prompt(model, "Hello."), warm, sources["none"], "none")
+        via_pipeline(client, "Hello.", warm, "none")
+        pids, started = lane_pids(client.status()), time.perf_counter()
+        cpu_before = cpu_snapshot(pids)
+        for repeat in range(repeats):
+            progress(f"single stream, repeat {repeat + 1}/{repeats}")
+            for workload, text in WORKLOADS.items():
+                prompt = chat_prompt(model, text)
+                for name in drafters:
+                    for path in sorted(("in_process", "pipeline"), reverse=bool(repeat % 2)):
+                        time.sleep(0.1)  # let the other side's BLAS threads go idle
+                        if path == "in_process":
+                            result = in_process(model, prompt, params, sources[name], name)
+                        else:
+                            result = via_pipeline(client, text, params, name)
+                        runs[workload][name][path].append(result)
+        cores = busy_cores(cpu_before, cpu_snapshot(pids), time.perf_counter() - started)
+    return {
+        "workloads": {w: summarise_stream(by_drafter) for w, by_drafter in runs.items()},
+        "cores": cores,
+    }
+
+
+def summarise_stream(by_drafter: dict) -> dict:
+    reference = by_drafter["none"]["in_process"][0] if "none" in by_drafter else None
+    out = {}
+    for name, paths in by_drafter.items():
+        local, piped = paths["in_process"], paths["pipeline"]
+        here = statistics.median(r["tokens_per_second"] for r in local)
+        there = statistics.median(r["tokens_per_second"] for r in piped)
+        base = reference or local[0]
+        out[name] = {
+            "prompt_tokens": len(local[0]["prompt_tokens"]),
+            "tokens": len(local[-1]["tokens"]),
+            "in_process_tokens_per_second": here,
+            "pipeline_tokens_per_second": there,
+            "pipeline_orchestrator_tokens_per_second": statistics.median(
+                r["orchestrator_tokens_per_second"] for r in piped
+            ),
+            "ratio": there / here,
+            "in_process_steps": local[-1]["steps"],
+            "pipeline_steps": piped[-1]["steps"],
+            "acceptance_in_process": local[-1]["acceptance_rate"],
+            "acceptance_pipeline": piped[-1]["acceptance_rate"],
+            "identical": all(same_output(r, base) for r in local + piped),
+        }
+    return out
+
+
+# --- 2. load --------------------------------------------------------------------------
+
+
+def load_prompts(n: int) -> list[str]:
+    """n distinct prompts: the fixed ones, then numbered variants of them."""
+    base = len(LOAD_PROMPTS)
+    return [LOAD_PROMPTS[i % base] + (f" (Version {i // base + 1}.)" if i >= base else "") for i in range(n)]
+
+
+def drive_clients(
+    address: str, prompts: list[str], clients: int, params: SamplingParams, drafter: str
+) -> tuple[list[dict], float]:
+    """Prompts dealt round-robin to `clients` threads, each with its own connection, started
+    together; returns the outputs in prompt order and the wall time from first start to last end."""
+    results: list[dict | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    spans: list[tuple[float, float]] = []
+    barrier = threading.Barrier(clients)
+
+    def work(index: int) -> None:
+        try:
+            with Client(address, timeout=60.0) as client:
+                barrier.wait()
+                start = time.perf_counter()
+                for i in range(index, len(prompts), clients):
+                    results[i] = via_pipeline(client, prompts[i], params, drafter)
+                spans.append((start, time.perf_counter()))
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    wall = max(end for _, end in spans) - min(start for start, _ in spans)
+    return [r for r in results if r is not None], wall
+
+
+def load_phase(
+    settings: list[str], prompts: list[str], clients: int, params: SamplingParams, drafter: str
+) -> dict:
+    """One phase on a freshly started pipeline, so the cross-request cache starts empty
+    and the 8-client phase cannot replay what the 1-client phase just produced."""
+    with running_pipeline(settings) as config, Client(config.addresses.client, timeout=60.0) as client:
+        via_pipeline(client, "Hello.", SamplingParams(max_tokens=8, ignore_eos=True), "none")
+        before = settled_status(client, config)
+        pids = lane_pids(before)
+        cpu_before = cpu_snapshot(pids)
+        outputs, wall = drive_clients(config.addresses.client, prompts, clients, params, drafter)
+        cpu_after = cpu_snapshot(pids)
+        after = settled_status(client, config)
+    verify_before = next(lane.totals for lane in before.lanes if lane.name == "verify")
+    verify_after = next(lane.totals for lane in after.lanes if lane.name == "verify")
+    tokens = sum(len(r["tokens"]) for r in outputs)
+    return {
+        "outputs": outputs,
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "steps": sum(r["steps"] for r in outputs),
+        "batches": verify_after.batches - verify_before.batches,
+        "rows": verify_after.batched_rows - verify_before.batched_rows,
+        "cores": busy_cores(cpu_before, cpu_after, wall),
+    }
+
+
+def load(
+    settings: list[str], drafters: list[str], clients: int, repeats: int, params: SamplingParams
+) -> dict:
+    """1 client, then `clients` clients, per drafter, interleaved over the repeats."""
+    prompts = load_prompts(clients)
+    phases: dict = {d: {1: [], clients: []} for d in drafters}
+    for repeat in range(repeats):
+        for name in drafters:
+            for n in (1, clients):
+                progress(f"load, repeat {repeat + 1}/{repeats}: drafter {name}, {n} client(s)")
+                phases[name][n].append(load_phase(settings, prompts, n, params, name))
+    reference = phases[drafters[0]][1][0]["outputs"]
+    return {
+        "clients": clients,
+        "requests": len(prompts),
+        "drafters": {name: summarise_load(by_n, reference, clients) for name, by_n in phases.items()},
+    }
+
+
+def summarise_load(by_n: dict, reference: list[dict], clients: int) -> dict:
+    out: dict = {}
+    for n, phases in by_n.items():
+        batches, rows, steps = (sum(p[key] for p in phases) for key in ("batches", "rows", "steps"))
+        out[str(n)] = {
+            "tokens": phases[-1]["tokens"],
+            "seconds": statistics.median(p["seconds"] for p in phases),
+            "tokens_per_second": statistics.median(p["tokens_per_second"] for p in phases),
+            "verify_batches": batches,
+            "requests_per_batch": steps / batches if batches else 0.0,
+            "rows_per_batch": rows / batches if batches else 0.0,
+            "cores": {k: statistics.median(p["cores"][k] for p in phases) for k in phases[0]["cores"]},
+            "identical": all(
+                same_output(got, want)
+                for p in phases
+                for got, want in zip(p["outputs"], reference, strict=True)
+            ),
+        }
+    out["scaling"] = out[str(clients)]["tokens_per_second"] / out["1"]["tokens_per_second"]
+    return out
+
+
+# --- report ---------------------------------------------------------------------------
+
+
+def headline(results: dict) -> dict:
+    ratios = [
+        r["ratio"]
+        for by_drafter in results["single_stream"]["workloads"].values()
+        for name, r in by_drafter.items()
+        if name in ("none", "ngram")
+    ]
+    scaling = {name: d["scaling"] for name, d in results["load"]["drafters"].items()}
+    identical = all(
+        r["identical"]
+        for by_drafter in results["single_stream"]["workloads"].values()
+        for r in by_drafter.values()
+    ) and all(
+        v["identical"] for d in results["load"]["drafters"].values() for k, v in d.items() if k != "scaling"
+    )
+    return {
+        "overhead_worst_ratio": min(ratios) if ratios else None,
+        "overhead_median_ratio": statistics.median(ratios) if ratios else None,
+        "overhead_target": OVERHEAD_TARGET,
+        "overhead_met": bool(ratios) and min(ratios) >= OVERHEAD_TARGET,
+        "scaling": scaling,
+        "scaling_target": SCALING_TARGET,
+        "scaling_met": all(s >= SCALING_TARGET for s in scaling.values()),
+        "identical": identical,
+    }
+
+
+def render_stream(single: dict) -> list[str]:
+    lines = [
+        "Single stream: in-process decode vs the pipeline (client-side wall time, prefill included)",
+        f"{'workload':<8} {'drafter':<7} {'tokens':>6} {'in-proc':>8} {'pipeline':>8} {'ratio':>6} "
+        f"{'orch':>7} {'steps':>9} {'accept':>9}  same text",
+    ]
+    for workload, by_drafter in single["workloads"].items():
+        for name, r in by_drafter.items():
+            lines.append(
+                f"{workload:<8} {name:<7} {r['tokens']:>6} {r['in_process_tokens_per_second']:>8.1f} "
+                f"{r['pipeline_tokens_per_second']:>8.1f} {r['ratio']:>5.2f}x "
+                f"{r['pipeline_orchestrator_tokens_per_second']:>7.1f} "
+                f"{r['in_process_steps']:>4}/{r['pipeline_steps']:<4} "
+                f"{r['acceptance_in_process']:>4.2f}/{r['acceptance_pipeline']:<4.2f}  "
+                f"{'yes' if r['identical'] else 'NO'}"
+            )
+    lines.append(
+        "(tok/s medians; orch = the orchestrator's own tok/s; steps and accept: in-process/pipeline. "
+        "auto: both sides keep one cross-request suffix cache through the run, fed by the same "
+        "requests in the same order, so later repeats draft from earlier ones; none/ngram are the headline.)"
+    )
+    cores = single["cores"]
+    lines.append(
+        f"cores busy on average: in-process + clients {cores['clients']:.2f}, pipeline "
+        f"{sum(cores.get(p, 0.0) for p in PROCESSES):.2f}, other processes {cores['others']:.2f} "
+        f"(of {os.cpu_count()})"
+    )
+    return lines
+
+
+def render_load(load_results: dict) -> list[str]:
+    n = load_results["clients"]
+    lines = [
+        f"Load: {load_results['requests']} distinct prompts from 1 client vs {n} concurrent clients "
+        "(each phase on a fresh pipeline)",
+        f"{'drafter':<7} {'clients':>7} {'tokens':>6} {'seconds':>7} {'agg tok/s':>9} {'scaling':>7} "
+        f"{'req/batch':>9} {'rows/batch':>10}  {CORES_HEADER:<51} same",
+    ]
+    for name, d in load_results["drafters"].items():
+        for clients in ("1", str(n)):
+            r = d[clients]
+            cores = " ".join(f"{r['cores'].get(p, 0.0):.2f}" for p in (*PROCESSES, "clients", "others"))
+            scaling = f"{d['scaling']:>6.2f}x" if clients != "1" else f"{'1.00x':>7}"
+            lines.append(
+                f"{name:<7} {clients:>7} {r['tokens']:>6} {r['seconds']:>7.1f} "
+                f"{r['tokens_per_second']:>9.1f} {scaling} {r['requests_per_batch']:>9.2f} "
+                f"{r['rows_per_batch']:>10.2f}  {cores:<51} "
+                f"{'yes' if r['identical'] else 'NO'}"
+            )
+    lines.append(
+        "(req/batch: verify steps per batched forward; rows/batch: tokens per forward, drafts included; "
+        "same: every output equals the 1-client output of the first drafter for that prompt)"
+    )
+    return lines
+
+
+def render(results: dict) -> str:
+    h = results["summary"]
+    scaling = ", ".join(f"{name} {s:.2f}x" for name, s in h["scaling"].items())
+    lines = [
+        *render_stream(results["single_stream"]),
+        "",
+        *render_load(results["load"]),
+        "",
+        f"Overhead (none, ngram): worst pipeline/in-process {h['overhead_worst_ratio']:.2f}x, "
+        f"median {h['overhead_median_ratio']:.2f}x (target >= {OVERHEAD_TARGET:.2f}x: "
+        f"{'met' if h['overhead_met'] else 'NOT met'})",
+        f"Scaling at {results['load']['clients']} clients: {scaling} (target >= {SCALING_TARGET:.1f}x: "
+        f"{'met' if h['scaling_met'] else 'NOT met'})",
+        f"Outputs identical everywhere: {'yes' if h['identical'] else 'NO'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    drafters = args.drafters.split(",")
+    if "none" not in drafters:
+        drafters.insert(0, "none")  # the reference every output is checked against
+    settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops our pipelines
+    model = Model.load(args.model or default_model_path())
+    stream_params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    with running_pipeline(settings) as config:
+        single = single_stream(model, config, drafters, args.repeats, stream_params)
+    load_params = SamplingParams(max_tokens=args.load_tokens, ignore_eos=True)
+    load_results = load(settings, args.load_drafters.split(","), args.clients, args.load_repeats, load_params)
+    results = {"single_stream": single, "load": load_results}
+    results["summary"] = headline(results)
+    print(json.dumps(results, indent=2) if args.json else render(results))
+    return 0 if results["summary"]["identical"] else 1

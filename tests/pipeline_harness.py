@@ -1,0 +1,103 @@
+"""Start a real pipeline (supervisor and its four processes) in a private run directory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from pipeline.client import Client
+from pipeline.config import Config, load_config
+from pipeline.messages import StatusReport
+
+
+class Pipeline:
+    def __init__(self, run_dir: Path, settings: list[str]) -> None:
+        self.run_dir = run_dir
+        self.settings = [f"run.dir={run_dir}", *settings]
+        self.config: Config = load_config(None, self.settings, environ={})
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 90.0) -> None:
+        command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in self.settings)]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.run_dir / "supervisor.log").open("ab")
+        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.client(timeout=2.0).wait_ready(timeout)
+
+    def client(self, timeout: float = 30.0) -> Client:
+        return Client(self.config.addresses.client, timeout=timeout)
+
+    def status(self) -> StatusReport:
+        with self.client(timeout=10.0) as c:
+            return c.status()
+
+    def lane(self, name: str):
+        return next(lane for lane in self.status().lanes if lane.name == name)
+
+    def wait_until(self, predicate, timeout: float = 30.0, what: str = "condition") -> StatusReport:
+        deadline = time.monotonic() + timeout
+        while True:
+            report = self.status()
+            if predicate(report):
+                return report
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}: {msgspec.json.encode(report).decode()}")
+            time.sleep(0.1)
+
+    def wait_lane_up(self, name: str, old_pid: int | None, timeout: float = 30.0) -> None:
+        def ready(report: StatusReport) -> bool:
+            lane = next(lane for lane in report.lanes if lane.name == name)
+            return lane.state == "up" and lane.pid != old_pid
+
+        self.wait_until(ready, timeout, f"{name} lane back up")
+
+    def audit_rows(self, request_id: str) -> list[tuple[str, int | None, str]]:
+        db = sqlite3.connect(self.config.audit.path)
+        try:
+            return db.execute(
+                "SELECT event_id, step, type FROM events WHERE request_id = ? ORDER BY step", (request_id,)
+            ).fetchall()
+        finally:
+            db.close()
+
+    def child_pids(self) -> list[int]:
+        return [lane.pid for lane in self.status().lanes if lane.pid]
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie still answers kill(0): check its state
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    return False
+
+
+@contextlib.contextmanager
+def running_pipeline(run_dir: Path, settings: list[str]) -> Iterator[Pipeline]:
+    pipeline = Pipeline(run_dir, settings)
+    try:
+        pipeline.start()
+        yield pipeline
+    finally:
+        pipeline.stop()

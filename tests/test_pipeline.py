@@ -1,0 +1,379 @@
+"""The pipeline as users run it: real processes, real sockets, the real default model.
+
+One pipeline serves the whole module (lanes are killed and restarted inside it: that is
+what it must survive); the supervisor tests start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from functools import cache
+
+import msgspec
+import pynng
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.client import PipelineError
+from pipeline.drafters.registry import DRAFTERS, make_draft_source
+from pipeline.messages import (
+    AuditAck,
+    ClientReply,
+    Codec,
+    DraftRequest,
+    ErrorReply,
+    Heartbeat,
+    Open,
+    SpeculativeState,
+    Submit,
+    Verify,
+    encode,
+)
+from pipeline.model import default_model_path
+from pipeline.prompts import prompt_tokens
+from pipeline.sampling import SamplingParams
+from pipeline.speculative import decode
+
+from .pipeline_harness import Pipeline, alive, running_pipeline
+
+pytestmark = pytest.mark.slow
+
+CODE = "Write a Python function that reverses a string, then explain it."
+STORY = "Tell me a long story about a lighthouse keeper and a storm."
+PROMPTS = [
+    CODE,
+    STORY,
+    "List five uses of a paperclip.",
+    "What is the capital of France? Explain its history.",
+]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory):
+    settings_ = [
+        f"model.draft_path={default_model_path()}",  # the target drafts for itself: exercises the model lane
+        "timeouts.client_idle=2.0",
+        "timeouts.draft=5.0",  # a busy shared machine must not turn drafts into timeouts here
+        "restart.initial_backoff=0.1",
+        "audit.resend_after=0.5",
+    ]
+    with running_pipeline(tmp_path_factory.mktemp("run"), settings_) as p:
+        yield p
+
+
+@cache
+def _reference(prompt: str, params: SamplingParams, drafter: str, k: int | None):
+    from pipeline.model import Model
+
+    model = Model.load(default_model_path())
+    assert model.tokenizer is not None
+    tokens = prompt_tokens(model.tokenizer, prompt, chat=True)
+    source = make_draft_source(drafter, model, model if drafter == "model" else None)
+    return decode(model, tokens, params, source, k=0 if drafter == "none" else k)
+
+
+def read_stream(client, request_id: str, after: int = -1, on_chunk=None):
+    chunks, done = [], None
+    for item in client.chunks(request_id, after=after):
+        if isinstance(item, dict):
+            done = item
+        else:
+            chunks.append(item)
+            if on_chunk is not None:
+                on_chunk(chunks)
+    return chunks, done
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_output_equals_in_process_generation(pipeline: Pipeline, drafter: str) -> None:
+    params = SamplingParams(max_tokens=40)
+    k = 4 if drafter == "model" else None  # self-drafting at large k would outrun the draft timeout
+    with pipeline.client() as client:
+        done = client.complete(CODE, chat=True, params=params, drafter=drafter, k=k)
+    ref = _reference(CODE, params, drafter, k)
+    assert done["tokens"] == ref.tokens
+    assert done["text"] == ref.text
+    assert done["finish_reason"] == ref.finish_reason
+    assert done["request_id"] and done["stats"]["drafter"] == drafter
+
+
+# The suffix and auto drafters learn across requests in the lane, so their sampled drafts
+# (and with them which uniforms are spent) depend on history; greedy output does not.
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_seeded_sampling_equals_in_process_generation(pipeline: Pipeline, drafter: str) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40)
+    with pipeline.client() as client:
+        done = client.complete(STORY, chat=True, params=params, drafter=drafter, k=4)
+    ref = _reference(STORY, params, drafter, 4)
+    assert done["tokens"] == ref.tokens
+    assert done["stats"]["seed"] == 11
+
+
+@pytest.mark.parametrize("lane", ["verify", "draft", "audit"])
+def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeline, lane: str) -> None:
+    params = SamplingParams(max_tokens=110, ignore_eos=True)
+    ref = _reference(STORY, params, "none", 0)
+    before = pipeline.lane(lane)
+    kills: list[int] = []
+    emitted = [0]
+
+    def killer() -> None:
+        """Kill the lane at 15 and at 60 tokens; the second time only once it is back up."""
+        for threshold in (15, 60):
+            while emitted[0] < threshold:
+                time.sleep(0.01)
+            if kills:
+                pipeline.wait_lane_up(lane, kills[-1])
+            pid = pipeline.lane(lane).pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            kills.append(pid)
+
+    def count(chunks) -> None:
+        emitted[0] = sum(len(c.tokens) for c in chunks)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pipeline.client() as client:
+        request_id = client.submit(STORY, chat=True, params=params, drafter="ngram").request_id
+        chunks, done = read_stream(client, request_id, on_chunk=count)
+    assert "error" not in done, done
+    assert len(kills) == 2
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert [t for c in chunks for t in c.tokens] == ref.tokens
+    assert "".join(c.text for c in chunks) == ref.text == done["text"]
+
+    def recovered(report) -> bool:
+        view = next(x for x in report.lanes if x.name == lane)
+        return view.state == "up" and view.restarts >= before.restarts + 2 and report.audit_pending == 0
+
+    report = pipeline.wait_until(recovered, what=f"{lane} restarted twice and the audit outbox empty")
+    downs = [f for f in report.faults if f.kind == "lane_down" and f.lane == lane]
+    assert {int(f.message.split()[1]) for f in downs} >= set(kills)
+    rows = pipeline.audit_rows(request_id)
+    steps = [step for _, step, kind in rows if kind == "StepEvent"]
+    assert steps == list(range(done["stats"]["steps"] + 1))  # every step once, the prefill as step 0
+    assert sorted(kind for _, _, kind in rows if kind != "StepEvent") == ["RequestOpened", "SpeculativeEvent"]
+
+
+def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None:
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    client = pipeline.client()
+    request_id = client.submit(STORY, chat=True, params=params, drafter="none").request_id
+    for item in client.chunks(request_id):
+        if not isinstance(item, dict) and item.seq >= 3:
+            break
+    client.close()  # gone without a word
+
+    def freed(report) -> bool:
+        verify = next(x for x in report.lanes if x.name == "verify")
+        return report.active_requests == 0 and verify.active_requests == 0
+
+    pipeline.wait_until(freed, timeout=20, what="the abandoned request to be freed")
+    with pipeline.client() as client:
+        *_, done = client.chunks(request_id, after=10**6)
+    assert done["finish_reason"] == "cancelled"
+    assert len(done["tokens"]) < 1000
+
+
+def test_a_resumed_stream_gets_the_rest_exactly_once(pipeline: Pipeline) -> None:
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref = _reference(CODE, params, "none", 0)
+    first = pipeline.client()
+    request_id = first.submit(CODE, chat=True, params=params, drafter="ngram").request_id
+    seen = []
+    for item in first.chunks(request_id):
+        assert not isinstance(item, dict)
+        seen.append(item)
+        if sum(len(c.tokens) for c in seen) >= 10:
+            break
+    first.close()
+    with pipeline.client() as second:  # a new connection, as after a network failure
+        rest, done = read_stream(second, request_id, after=seen[-1].seq)
+    chunks = seen + rest
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert "".join(c.text for c in chunks) == ref.text
+    assert [t for c in chunks for t in c.tokens] == ref.tokens == done["tokens"]
+
+
+@pytest.mark.parametrize("drafter", ["none", "auto"])
+def test_eight_concurrent_clients_all_get_their_own_correct_output(pipeline: Pipeline, drafter: str) -> None:
+    params = SamplingParams(max_tokens=32)
+    results: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            with pipeline.client(timeout=60) as client:
+                results[i] = client.complete(PROMPTS[i % 4], chat=True, params=params, drafter=drafter)
+        except BaseException as exc:
+            errors.append(exc)
+
+    batches_before = pipeline.lane("verify").totals
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors and len(results) == 8
+    for i, done in results.items():
+        assert done["tokens"] == _reference(PROMPTS[i % 4], params, "none", 0).tokens
+    after = pipeline.wait_until(lambda r: r.active_requests == 0).lanes[0].totals
+    rows = after.batched_rows - batches_before.batched_rows
+    assert rows / (after.batches - batches_before.batches) > 1.5  # several requests shared forwards
+
+
+def test_max_iterations_ends_the_request_with_that_fault(pipeline: Pipeline) -> None:
+    with pipeline.client() as client:
+        done = client.complete(CODE, chat=True, params=SamplingParams(max_tokens=50), max_iterations=3)
+    assert done["finish_reason"] == "max_iterations_exceeded"
+    assert done["stats"]["steps"] == 3
+    faults = pipeline.status().faults
+    assert any(f.kind == "max_iterations_exceeded" and f.request_id == done["request_id"] for f in faults)
+
+
+@pytest.mark.parametrize(
+    ("submit", "kind"),
+    [
+        (Submit(prompt="x" * 40_000), "prompt_too_long"),
+        (Submit(prompt=""), "bad_request"),
+        (Submit(prompt="hi", drafter="oracle"), "bad_request"),
+        (Submit(prompt="hi", k=99), "bad_request"),
+        (Submit(messages=[{"role": "user"}]), "bad_request"),
+        (Submit(), "bad_request"),
+    ],
+)
+def test_bad_requests_get_a_clear_error(pipeline: Pipeline, submit: Submit, kind: str) -> None:
+    with pipeline.client() as client, pytest.raises(PipelineError) as info:
+        client.call(submit)
+    assert info.value.kind == kind and info.value.message
+
+
+def test_invalid_settings_are_refused_by_name(pipeline: Pipeline) -> None:
+    raw = msgspec.msgpack.encode({"type": "Submit", "prompt": "hi", "params": {"temperature": -1}})
+    reply = _raw_client_call(pipeline, raw)
+    assert isinstance(reply, ErrorReply) and reply.kind == "bad_request" and "temperature" in reply.message
+
+
+def _raw_client_call(pipeline: Pipeline, data: bytes):
+    with pynng.Req0(dial=pipeline.config.addresses.client, recv_timeout=10_000, send_timeout=10_000) as sock:
+        sock.send(data)
+        return Codec(ClientReply).decode(sock.recv())
+
+
+def _crafted(vocab: int) -> list[bytes]:
+    params = SamplingParams()
+    return [
+        encode(Verify(request_id="nobody", step=5, position=3, pending=1)),
+        encode(Verify(request_id="nobody", step=1, position=0, pending=vocab + 7)),
+        encode(Open(request_id="bad-open", step=0, tokens=[vocab + 1], params=params, seed=1)),
+        encode(Open(request_id="empty-open", step=0, tokens=[], params=params, seed=1)),
+        encode(
+            DraftRequest(
+                request_id="d",
+                step=1,
+                drafter="ngram",
+                params=params,
+                seed=1,
+                prompt_length=1,
+                context=[1],
+                k=999,
+            )
+        ),
+        encode(
+            DraftRequest(
+                request_id="d",
+                step=1,
+                drafter="nope",
+                params=params,
+                seed=1,
+                prompt_length=1,
+                context=[1],
+                k=2,
+            )
+        ),
+        encode(Heartbeat(lane="phantom", pid=1, state=SpeculativeState())),
+        encode(AuditAck(event_ids=["not-an-event"])),
+        encode(Submit(prompt="wrong socket")),
+        msgspec.msgpack.encode({"type": "Verify", "version": 99, "request_id": "x", "step": 1}),
+        msgspec.msgpack.encode({"type": "NoSuchMessage"}),
+    ]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blobs=st.lists(st.binary(max_size=4096), min_size=1, max_size=4))
+def test_fuzzed_client_socket_answers_every_garbage_with_an_error(
+    pipeline: Pipeline, blobs: list[bytes]
+) -> None:
+    for blob in blobs:
+        reply = _raw_client_call(pipeline, blob)
+        assert isinstance(reply, ErrorReply) and reply.kind == "bad_request"
+
+
+def test_garbage_on_every_socket_disturbs_no_lane_and_no_request(pipeline: Pipeline) -> None:
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref = _reference(CODE, params, "none", 0)
+    before = {lane.name: (lane.pid, lane.restarts) for lane in pipeline.status().lanes}
+    outcome: dict = {}
+
+    def stream() -> None:
+        with pipeline.client(timeout=60) as client:
+            outcome["done"] = client.complete(CODE, chat=True, params=params, drafter="auto")
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    rng = random.Random(1234)
+    garbage = [b"", b"\x00", b"\xff" * 7, rng.randbytes(100), rng.randbytes(70_000)]
+    garbage += [rng.randbytes(rng.randint(1, 3000)) for _ in range(20)]
+    garbage += _crafted(49152)
+    addresses = pipeline.config.addresses
+    for address in (addresses.verify, addresses.draft, addresses.audit, addresses.data, addresses.control):
+        with pynng.Push0(dial=address, send_timeout=5000) as sock:
+            for blob in garbage:
+                sock.send(blob)
+            time.sleep(0.2)  # let the queue drain before the socket closes
+    worker.join(120)
+    assert outcome["done"]["tokens"] == ref.tokens
+    report = pipeline.status()
+    assert {lane.name: (lane.pid, lane.restarts) for lane in report.lanes} == before
+    assert all(lane.state == "up" for lane in report.lanes)
+    reporters = {f.lane for f in report.faults if f.kind == "bad_request"}
+    assert {"verify", "draft", "audit", "orchestrator"} <= reporters
+    with pipeline.client() as client:  # and the pipeline still serves
+        assert client.complete(CODE, chat=True, params=params, drafter="ngram")["tokens"] == ref.tokens
+
+
+def _supervisor_and_children(tmp_path) -> tuple[Pipeline, list[int]]:
+    p = Pipeline(tmp_path / "run", ["restart.shutdown_grace=2.0"])
+    p.start()
+    report = p.wait_until(lambda r: all(lane.pid for lane in r.lanes))
+    return p, [lane.pid for lane in report.lanes if lane.pid]
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_sigterm_shuts_everything_down(tmp_path) -> None:
+    p, children = _supervisor_and_children(tmp_path)
+    assert p.proc is not None
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.proc.wait(20) == 0
+    assert _wait_gone(children) == []
+    assert not (p.run_dir / "supervisor.pid").exists()
+
+
+def test_a_killed_supervisor_leaves_no_orphans(tmp_path) -> None:
+    p, children = _supervisor_and_children(tmp_path)
+    assert p.proc is not None
+    p.proc.kill()
+    p.proc.wait()
+    assert _wait_gone(children) == []
