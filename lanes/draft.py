@@ -8,6 +8,7 @@ an empty proposal.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 
@@ -20,6 +21,8 @@ from pipeline.messages import BadMessage, Close, Drafted, DraftInbox, DraftReque
 from pipeline.model import Model, default_model_path
 from pipeline.speculative import draft_rng
 from pipeline.transport import Inbox, Outbox
+
+log = logging.getLogger(__name__)
 
 MAX_REQUESTS = 1024  # drafters kept at once; the least recently used go first
 
@@ -107,13 +110,20 @@ async def serve(lane: LaneContext) -> None:
     async for msg in inbox:
         if isinstance(msg, BadMessage):
             lane.fault("bad_request", str(msg))
-        elif isinstance(msg, Close):
-            server.close(msg)
-        else:
+            continue
+        try:
+            if isinstance(msg, Close):
+                server.close(msg)
+                continue
             reply = server.draft(msg)
-            lane.state.active_requests = len(server.active)
-            if not results.put_nowait(reply):  # late drafts are worthless: never wait to send one
-                lane.fault("timeout", "the orchestrator did not take a draft", msg.request_id, msg.step)
+        except Exception as exc:  # a bug costs one draft (the step decodes plainly), never the lane
+            log.exception("draft lane failed on %s", type(msg).__name__)
+            lane.fault("draft_failed", f"unexpected {exc!r}", msg.request_id)
+            server.active.pop(msg.request_id, None)
+            continue
+        lane.state.active_requests = len(server.active)
+        if not results.put_nowait(reply):  # late drafts are worthless: never wait to send one
+            lane.fault("timeout", "the orchestrator did not take a draft", msg.request_id, msg.step)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ executed once; a repeat is answered from the reply cache.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from pipeline.messages import (
 from pipeline.model import Model, default_model_path
 from pipeline.speculative import TargetState
 from pipeline.transport import Inbox, Outbox
+
+log = logging.getLogger(__name__)
 
 IDLE_SECONDS = 600.0  # a request not heard of for this long is dropped (its Close was lost)
 
@@ -198,7 +201,15 @@ async def serve(lane: LaneContext) -> None:
             with trio.move_on_at(deadline):
                 messages.append(await inbox.next())
             messages.extend(inbox.ready())
-        for reply in verifier.handle(messages):
+        try:
+            replies = verifier.handle(messages)
+        except Exception as exc:  # a bug costs these requests a re-prime, never the lane
+            log.exception("verify step failed")
+            lane.fault("verification_failed", f"unexpected {exc!r}; the requests involved will be re-primed")
+            for msg in messages:
+                verifier.requests.pop(getattr(msg, "request_id", ""), None)
+            replies = []
+        for reply in replies:
             try:
                 await results.put(reply, timeout=config.timeouts.send)
             except trio.TooSlowError:

@@ -547,7 +547,7 @@ class Orchestrator:
                 kind = {Opened: "open", Verified: "verify", Drafted: "draft"}.get(type(msg))
                 kind = kind or msg.origin  # type: ignore[union-attr]
                 slot = self.waiters.get((msg.request_id, kind, msg.step))
-                if slot is not None:
+                if slot is not None:  # no slot: a late or repeated answer, already dealt with
                     slot.resolve(msg)
 
     async def receive_control(self, inbox: Inbox) -> None:

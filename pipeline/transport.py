@@ -51,10 +51,17 @@ def dial(kind: type[pynng.Socket], address: str) -> pynng.Socket:
     return sock
 
 
+def _recv_now(sock: pynng.Socket) -> bytes:
+    try:
+        return sock.recv(block=False)
+    except RuntimeError:  # pynng cannot unpack a zero-length message (NULL data): it was empty
+        return b""
+
+
 async def receive(sock: pynng.Socket) -> bytes:
     while True:
         try:
-            return sock.recv(block=False)
+            return _recv_now(sock)
         except pynng.TryAgain:
             await trio.lowlevel.wait_readable(sock.recv_fd)
 
@@ -71,7 +78,7 @@ async def send(sock: pynng.Socket, data: bytes) -> None:
 def receive_ready(sock: pynng.Socket) -> bytes | None:
     """A message if one is already queued, without waiting."""
     try:
-        return sock.recv(block=False)
+        return _recv_now(sock)
     except pynng.TryAgain:
         return None
 
