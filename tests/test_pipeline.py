@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from functools import cache
@@ -377,3 +379,35 @@ def test_a_killed_supervisor_leaves_no_orphans(tmp_path) -> None:
     p.proc.kill()
     p.proc.wait()
     assert _wait_gone(children) == []
+
+
+def test_two_hosts_over_tcp(tmp_path) -> None:
+    """The multi-host layout on loopback: one supervisor runs the verify lane, another the rest."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    names = ("client", "control", "data", "verify", "draft", "audit")
+    shared = [f"addresses.{name}=tcp://127.0.0.1:{free_port()}" for name in names]
+    host_a = Pipeline(tmp_path / "a", [*shared, 'run.components=["orchestrator", "draft", "audit"]'])
+    host_b = Pipeline(tmp_path / "b", [*shared, 'run.components=["verify"]'])
+    params = SamplingParams(max_tokens=24)
+    try:
+        for host in (host_a, host_b):
+            command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in host.settings)]
+            host.run_dir.mkdir(parents=True)
+            log = (host.run_dir / "supervisor.log").open("ab")
+            host.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        with host_a.client() as client:
+            client.wait_ready(90)
+            done = client.complete(CODE, chat=True, params=params, drafter="ngram")
+        assert done["tokens"] == _reference(CODE, params, "none", 0).tokens
+        verify = host_a.lane("verify")
+        assert verify.pid is not None and verify.totals.runs >= 1
+        assert not (host_a.run_dir / "verify.log").exists() and (host_b.run_dir / "verify.log").exists()
+    finally:
+        host_a.stop()
+        host_b.stop()
