@@ -69,13 +69,17 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
-        probs = _top_p(probs, params.top_p)
+        probs = _top_p(probs, scaled, params.top_p)
     return probs
 
 
-def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest most-likely set whose mass reaches top_p (at least one token)."""
-    order = np.argsort(-probs, axis=-1, kind="stable")
+def _top_p(probs: np.ndarray, scaled: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest most-likely set whose mass reaches top_p (at least one token).
+
+    Ranked by logit, not probability: logits a hair apart can round to equal
+    probabilities, and the more likely token must never be the one dropped.
+    """
+    order = np.argsort(-scaled, axis=-1, kind="stable")
     sorted_probs = np.take_along_axis(probs, order, axis=-1)
     mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_before < top_p
