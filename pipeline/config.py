@@ -97,6 +97,14 @@ class Restart(Section):
 class Audit(Section):
     path: str = "{run_dir}/audit.sqlite"
     resend_after: float = 1.0  # unacknowledged events are sent again after this long
+    snapshot_seconds: float = 60.0  # each lane's heartbeat totals are recorded this often (0: never)
+    max_age_days: float = 30.0  # whole requests whose last event is older are deleted (0: keep forever)
+    max_requests: int = 10000  # only the newest this many requests are kept (0: no limit)
+    prune_seconds: float = 300.0  # how often the audit lane applies the two limits above
+
+    def __post_init__(self) -> None:
+        if self.max_age_days < 0 or self.max_requests < 0 or self.prune_seconds <= 0:
+            raise ValueError("audit.max_age_days and max_requests must be >= 0, prune_seconds > 0")
 
 
 class Config(Section):

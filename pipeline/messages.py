@@ -4,7 +4,7 @@ socket, each carrying the protocol version.
 Sockets and what they carry (the receiving side listens, senders dial):
 - verify lane inbox (data): Open, Verify, Close
 - draft lane inbox (data): DraftRequest, Close
-- audit lane inbox (data): RequestOpened, StepEvent, SpeculativeEvent, FaultEvent
+- audit lane inbox (data): RequestOpened, StepEvent, SpeculativeEvent, FaultEvent, LaneSnapshot
 - orchestrator data inbox: Opened, Verified, Drafted, StepFailed, AuditAck
 - orchestrator control inbox: Fault, LaneUp, LaneDown, Heartbeat, Shutdown
 - orchestrator client socket (req/rep): Submit, Poll, Cancel, StatusQuery -> Submitted, Chunks,
@@ -195,10 +195,21 @@ class SpeculativeEvent(AuditEvent, frozen=True, kw_only=True):
     content_length: int
     finish_reason: str
     stats: dict[str, Any]
+    tokens: list[int] = []  # the output the client was served (emitted tokens cut at the stop)
 
 
 class FaultEvent(AuditEvent, frozen=True, kw_only=True):
     fault: Fault
+
+
+class LaneSnapshot(AuditEvent, frozen=True, kw_only=True):
+    """A lane's running totals as its heartbeat reported them (request_id is "": not per request)."""
+
+    lane: str
+    pid: int | None
+    restarts: int
+    lane_state: str  # starting | up | down
+    totals: SpeculativeState
 
 
 # --- control lane ---------------------------------------------------------------------
@@ -321,7 +332,7 @@ class StatusReport(Message, frozen=True, kw_only=True):
 
 VerifyInbox = Open | Verify | Close
 DraftInbox = DraftRequest | Close
-AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent
+AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
 DataInbox = Opened | Verified | Drafted | StepFailed | AuditAck
 ControlInbox = Fault | LaneUp | LaneDown | Heartbeat | Shutdown
 ClientRequest = Submit | Poll | Cancel | StatusQuery

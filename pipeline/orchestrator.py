@@ -44,6 +44,7 @@ from .messages import (
     FaultKind,
     Heartbeat,
     LaneDown,
+    LaneSnapshot,
     LaneStatus,
     LaneUp,
     Message,
@@ -104,6 +105,7 @@ class LaneView:
     slow_since: float | None = None  # a draft timed out; skip drafting until a newer heartbeat
     dead_pids: set[int] = field(default_factory=set)
     up: trio.Event = field(default_factory=trio.Event)
+    snapshot_at: float = -math.inf  # when its totals last went to the audit trail
 
     def usable(self) -> bool:
         return self.state == "up" and (self.slow_since is None or self.last_beat > self.slow_since)
@@ -177,6 +179,21 @@ class Orchestrator:
         data = encode(event)
         sent = self.audit_out.put_nowait(event) if self.lanes["audit"].state == "up" else False
         self.outbox[event.event_id] = (data, time.monotonic() if sent else -math.inf)
+
+    def snapshot(self, lane: LaneView) -> None:
+        """Record the lane's heartbeat totals in the audit trail, at most every audit.snapshot_seconds."""
+        every, now = self.config.audit.snapshot_seconds, time.monotonic()
+        if every <= 0 or now - lane.snapshot_at < every:
+            return
+        lane.snapshot_at = now
+        totals = self.totals if lane.name == "orchestrator" else lane.totals
+        self.audit(
+            LaneSnapshot(
+                event_id=f"lane:{lane.name}:{uuid.uuid4().hex}", request_id="", time=time.time(),
+                lane=lane.name, pid=lane.pid, restarts=lane.restarts, lane_state=lane.state,
+                totals=totals,
+            )
+        )  # fmt: skip
 
     async def resend_audit(self) -> None:
         while True:
@@ -392,6 +409,7 @@ class Orchestrator:
                 acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0,
                 iterations=stats.steps, content_length=len(done.get("text", "")),
                 finish_reason=done["finish_reason"], stats=done.get("stats", {}),
+                tokens=done.get("tokens", []),
             )
         )  # fmt: skip
 
@@ -442,7 +460,10 @@ class Orchestrator:
         )  # fmt: skip
         req = Request(uuid.uuid4().hex, session, seed, drafter, time.time())
         self.requests[req.id] = req
-        settings = {"params": msgspec.to_builtins(msg.params), "drafter": drafter, "k": k, "seed": seed}
+        settings = {
+            "params": msgspec.to_builtins(msg.params), "drafter": drafter, "k": k, "seed": seed,
+            "model": self.config.model.path, "draft_model": self.config.model.draft_path,  # "": the default
+        }  # fmt: skip
         self.audit(
             RequestOpened(
                 event_id=f"{req.id}:opened",
@@ -570,6 +591,7 @@ class Orchestrator:
                 came_up = lane.state != "up"
                 lane.state, lane.pid, lane.totals, lane.last_beat = "up", msg.pid, msg.state, time.monotonic()
                 lane.up.set()
+                self.snapshot(lane)
                 if came_up and msg.lane == "audit":
                     self.outbox = {k: (data, -math.inf) for k, (data, _) in self.outbox.items()}
 

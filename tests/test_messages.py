@@ -34,6 +34,7 @@ from pipeline.messages import (
     FaultEvent,
     Heartbeat,
     LaneDown,
+    LaneSnapshot,
     LaneStatus,
     LaneUp,
     Open,
@@ -214,8 +215,18 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
         content_length=small,
         finish_reason=text,
         stats=json_dicts,
+        tokens=tokens,
     ),
     FaultEvent: st.builds(FaultEvent, **audit, fault=faults),
+    LaneSnapshot: st.builds(
+        LaneSnapshot,
+        **audit,
+        lane=text,
+        pid=st.none() | small,
+        restarts=small,
+        lane_state=st.sampled_from(["starting", "up", "down"]),
+        totals=states,
+    ),
     Fault: faults,
     LaneUp: st.builds(LaneUp, lane=text, pid=small, restarts=small),
     LaneDown: st.builds(LaneDown, lane=text, pid=small, returncode=st.none() | i64, restarts=small),
@@ -271,7 +282,7 @@ def union_messages(union: object) -> st.SearchStrategy:
 def test_every_union_member_has_a_strategy():
     every = {kind for union in UNIONS.values() for kind in members(union)}
     assert every == set(STRATEGIES)
-    assert len(every) == 26  # Close goes to the verify and the draft lane
+    assert len(every) == 27  # Close goes to the verify and the draft lane
 
 
 # --- round trips ----------------------------------------------------------------------
