@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..client import Client
+from ..client import Client, PipelineError
 from ..config import Config, load_config
 from ..drafters.registry import make_draft_source
 from ..model import Model, default_model_path
@@ -165,7 +165,7 @@ def via_pipeline(client: Client, text: str, params: SamplingParams, drafter: str
     seconds = time.perf_counter() - start
     assert isinstance(done, dict)
     if "error" in done:
-        raise RuntimeError(f"pipeline request failed: {done['error']}")
+        raise PipelineError(done["error"]["kind"], f"request {request_id}: {done['error']['message']}")
     stats = done["stats"]
     return {
         "prompt_tokens": done["prompt_tokens"], "tokens": done["tokens"], "text": done["text"],
@@ -370,6 +370,42 @@ def summarise_load(by_n: dict, reference: list[dict], clients: int) -> dict:
     return out
 
 
+def batch_ceiling(model: Model, prompts: list[str], new_tokens: int) -> dict:
+    """What the model alone allows N clients: N one-token rows in one forward against N
+    single-row forwards, with the prompts' prefills (one at a time, as the verify lane runs
+    them) added on both sides. Measured here, with no pipeline running."""
+    caches, prefill = [], 0.0
+    for text in prompts:
+        tokens = chat_prompt(model, text)
+        cache = model.new_cache(capacity=len(tokens) + 8)
+        start = time.perf_counter()
+        model.forward(cache, tokens, all_logits=False)
+        prefill += time.perf_counter() - start
+        caches.append(cache)
+    one, all_rows = forward_seconds(model, caches[:1]), forward_seconds(model, caches)
+    steps = new_tokens - 1  # the prefill decides the first token
+    n = len(caches)
+    return {
+        "forward_ms_1": one * 1000,
+        "forward_ms_n": all_rows * 1000,
+        "prefill_seconds": prefill,
+        "ceiling": n * one / all_rows,
+        "ceiling_with_prefill": (prefill + n * steps * one) / (prefill + steps * all_rows),
+    }
+
+
+def forward_seconds(model: Model, caches: list, repeats: int = 15) -> float:
+    """Median time of one forward of one new token for each cache (rolled back after)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.forward_batch([(cache, [0]) for cache in caches], all_logits=False)
+        times.append(time.perf_counter() - start)
+        for cache in caches:
+            cache.truncate(cache.length - 1)
+    return statistics.median(times)
+
+
 # --- report ---------------------------------------------------------------------------
 
 
@@ -453,6 +489,13 @@ def render_load(load_results: dict) -> list[str]:
         "(req/batch: verify steps per batched forward; rows/batch: tokens per forward, drafts included; "
         "same: every output equals the 1-client output of the first drafter for that prompt)"
     )
+    c = load_results["ceiling"]
+    lines.append(
+        f"Ceiling from the model alone (in-process): {n} one-token rows in one forward "
+        f"{c['forward_ms_n']:.1f} ms vs {c['forward_ms_1']:.1f} ms for one, so at most {c['ceiling']:.2f}x; "
+        f"with the {n} prefills "
+        f"({c['prefill_seconds']:.2f} s, one at a time) at most {c['ceiling_with_prefill']:.2f}x"
+    )
     return lines
 
 
@@ -474,10 +517,13 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+def with_reference(names: str) -> list[str]:
+    """`none` first: every other output is checked against it."""
+    return ["none", *(name for name in names.split(",") if name != "none")]
+
+
 def main(args: argparse.Namespace) -> int:
-    drafters = args.drafters.split(",")
-    if "none" not in drafters:
-        drafters.insert(0, "none")  # the reference every output is checked against
+    drafters, load_drafters = with_reference(args.drafters), with_reference(args.load_drafters)
     settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops our pipelines
     model = Model.load(args.model or default_model_path())
@@ -485,7 +531,8 @@ def main(args: argparse.Namespace) -> int:
     with running_pipeline(settings) as config:
         single = single_stream(model, config, drafters, args.repeats, stream_params)
     load_params = SamplingParams(max_tokens=args.load_tokens, ignore_eos=True)
-    load_results = load(settings, args.load_drafters.split(","), args.clients, args.load_repeats, load_params)
+    load_results = load(settings, load_drafters, args.clients, args.load_repeats, load_params)
+    load_results["ceiling"] = batch_ceiling(model, load_prompts(args.clients), args.load_tokens)
     results = {"single_stream": single, "load": load_results}
     results["summary"] = headline(results)
     print(json.dumps(results, indent=2) if args.json else render(results))
