@@ -107,6 +107,14 @@ class AuditStore:
             args = [*names, request_id]
         return [decode_event(body) for (body,) in self.db.execute(sql + " ORDER BY time", args)]
 
+    def step_counts(self) -> dict[str, int]:
+        """Recorded steps per request (the prefill is step 0)."""
+        return dict(
+            self.db.execute(
+                "SELECT request_id, COUNT(*) FROM events WHERE type = 'StepEvent' GROUP BY request_id"
+            )
+        )
+
     def counts(self) -> dict[str, int]:
         """Events by type, plus the number of requests."""
         counts = dict(self.db.execute("SELECT type, COUNT(*) FROM events GROUP BY type").fetchall())

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
     )
     pipe_bench.add_argument("--json", action="store_true")
+    from .audit_cli import add_parser as add_audit_parser
+
+    add_audit_parser(sub, _add_config_flags)
     return parser
 
 
@@ -310,6 +313,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return benches[args.bench].main(args)
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from . import audit_cli
+
+    return audit_cli.main(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from .model import ModelFileError
 
@@ -323,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stop": cmd_stop,
         "status": cmd_status,
         "stream": cmd_stream,
+        "audit": cmd_audit,
     }
     try:
         return handlers[args.command](args)

@@ -1,0 +1,593 @@
+"""The audit trail: `audit verify` proves a request followed the rule, and catches tampering.
+
+Unit tests record requests in-process on tiny models exactly as the orchestrator records
+them (same events, same fields), then verify and tamper. One slow test does the same
+through a real pipeline with the default model and the `speclanes audit` command.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import pytest
+
+from pipeline import cli
+from pipeline.acceptance import Decision
+from pipeline.audit_store import AuditStore, decode_event
+from pipeline.audit_verify import (
+    DRAW_EPS,
+    Report,
+    draw_problem,
+    rule_problem,
+    uniforms,
+    uses_draft_rows,
+    verify_request,
+)
+from pipeline.drafters import NoDraftSource
+from pipeline.drafters.model import ModelSource
+from pipeline.drafters.ngram import NgramSource
+from pipeline.drafters.registry import make_draft_source
+from pipeline.drafters.suffix import SuffixSource
+from pipeline.messages import (
+    AuditEvent,
+    LaneSnapshot,
+    RequestOpened,
+    SpeculativeEvent,
+    SpeculativeState,
+    StepEvent,
+    encode,
+)
+from pipeline.model import Model
+from pipeline.sampling import SamplingParams, make_rng, sample_from
+from pipeline.speculative import GuardedDrafter, Session, TargetState, decode, draft_rng
+
+from .tinymodel import TinySpec, write_tiny_gguf
+
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, seed=5, max_tokens=32, ignore_eos=True)
+FILTERED = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=9, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Target and draft share a vocabulary but disagree on probabilities (as in test_speculative)."""
+    root = tmp_path_factory.mktemp("audit")
+    write_tiny_gguf(root / "target.gguf", TinySpec(seed=21, scale=1.2))
+    write_tiny_gguf(root / "draft.gguf", TinySpec(seed=21, scale=0.8))
+    return Model.load(root / "target.gguf"), Model.load(root / "draft.gguf"), root
+
+
+def source(name: str, target: Model, draft: Model):
+    return {
+        "none": NoDraftSource(),
+        "ngram": NgramSource(),
+        "suffix": SuffixSource(),
+        "model": ModelSource(draft, target),
+        "self-model": ModelSource(target, target),
+        "auto": make_draft_source("auto", target, draft),
+    }[name]
+
+
+PROMPT = [40, 41, 42, 43] * 4  # the tiny target soon repeats itself after it: n-grams find drafts
+
+
+def audited_run(
+    target: Model, params: SamplingParams, src, *, k: int | None = 3, request_id: str = "req"
+) -> list[AuditEvent]:
+    """The in-process loop (`speculative.decode`) with the events the orchestrator records."""
+    assert target.tokenizer is not None
+    _, seed = make_rng(params.seed)
+    session = Session(target.tokenizer, target.cfg.context_length, PROMPT, params, k=k)
+    state = TargetState(target, params, seed, capacity=session.capacity())
+    drafter = GuardedDrafter(src.start(PROMPT, params, draft_rng(seed)))
+    now = time.time()
+    settings = {
+        "params": msgspec.to_builtins(params), "drafter": src.name, "k": k, "seed": seed,
+        "model": "", "draft_model": "",
+    }  # fmt: skip
+    events: list[AuditEvent] = [
+        RequestOpened(event_id=f"{request_id}:opened", request_id=request_id, time=now,
+                      settings=settings, prompt_tokens=PROMPT)
+    ]  # fmt: skip
+
+    def step_event(step: int, drafter_name: str, k_: int, drafted, emitted, decisions, final_u) -> StepEvent:
+        return StepEvent(
+            event_id=f"{request_id}:step:{step}", request_id=request_id, time=now + step, step=step,
+            drafter=drafter_name, k=k_, drafted=drafted, emitted=emitted, decisions=decisions,
+            final_u=final_u, draws=state.draws, batch_size=1,
+        )  # fmt: skip
+
+    first, u = state.prefill(PROMPT)
+    assert first is not None
+    session.start(first)
+    events.append(step_event(0, "", 0, [], [first], [], u))
+    step = 0
+    while (want := session.plan()) is not None:
+        proposal = drafter.propose(session.context, want)
+        drafted = proposal.tokens[:want]
+        probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
+        logits = target.forward(state.cache, [session.context[-1], *drafted])
+        verdict = state.conclude(logits, drafted, probs)
+        session.record(len(drafted), verdict.tokens, verdict.accepted, 0.0, 0.0)
+        step += 1
+        events.append(
+            step_event(
+                step, proposal.drafter, want, drafted, verdict.tokens, verdict.decisions, verdict.final_u
+            )
+        )
+        drafter.accept(session.context)
+    session.finish_text()
+    done = session.completion(wall=1.0, prefill_seconds=0.0, seed=seed, drafter=src.name)
+    stats = session.stats
+    events.append(
+        SpeculativeEvent(
+            event_id=f"{request_id}:summary", request_id=request_id, time=now + step + 1,
+            drafted=stats.drafted, accepted=stats.accepted,
+            acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0,
+            iterations=stats.steps, content_length=len(done.text), finish_reason=done.finish_reason,
+            stats=done.stats, tokens=done.tokens,
+        )
+    )  # fmt: skip
+    return events
+
+
+def steps_of(events: list[AuditEvent]) -> list[StepEvent]:
+    return [e for e in events if isinstance(e, StepEvent)]
+
+
+def replace_step(events: list[AuditEvent], step: int, **changes) -> list[AuditEvent]:
+    return [
+        msgspec.structs.replace(e, **changes) if isinstance(e, StepEvent) and e.step == step else e
+        for e in events
+    ]
+
+
+def replace_decision(
+    events: list[AuditEvent], step: int, position: int, change: Callable[[Decision], Decision]
+) -> list[AuditEvent]:
+    event = next(e for e in steps_of(events) if e.step == step)
+    decisions = [change(d) if d.position == position else d for d in event.decisions]
+    return replace_step(events, step, decisions=decisions)
+
+
+def assert_fails_at(report: Report, step: int, words: str) -> None:
+    assert report.verdict == "fail", report
+    assert report.failed_steps and report.failed_steps[0] == step, report.failed_steps
+    first = next(s for s in report.steps if s.step == step)
+    assert any(words in p for p in first.problems), first.problems
+
+
+# --- pure checks -------------------------------------------------------------------------
+
+
+def test_rule_on_recorded_numbers():
+    assert rule_problem(Decision(0, 7, 1.0, 1.0, None, True, None)) is None
+    assert rule_problem(Decision(0, 7, 0.5, 0.25, 0.4, True, None)) is None  # 0.4 * 0.5 < 0.25
+    assert rule_problem(Decision(0, 7, 0.5, 0.25, 0.6, False, 3)) is None
+    assert "opposite" in (rule_problem(Decision(0, 7, 0.5, 0.25, 0.6, True, None)) or "")
+    assert "needs a uniform" in (rule_problem(Decision(0, 7, 0.5, 0.25, None, True, None)) or "")
+    assert "certain" in (rule_problem(Decision(0, 7, 0.5, 0.75, 0.1, True, None)) or "")
+    assert "must reject" in (rule_problem(Decision(0, 7, 1.0, 0.0, None, True, None)) or "")
+    assert "must keep" in (rule_problem(Decision(0, 7, 0.5, 0.5, None, False, 1)) or "")
+
+
+def test_draw_check_matches_sampling_and_tolerates_only_round_off_at_edges():
+    dist = np.array([0.0, 0.2, 0.3, 0.0, 0.5])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        token, u = sample_from(dist, rng)
+        assert draw_problem(dist, u, token) is None
+        assert u is not None and draw_problem(dist, u, (token % 4) + 1 if token != 1 else 2) is not None
+    assert draw_problem(dist, 0.2 - DRAW_EPS / 2, 2) is None  # a hair below the 1|2 edge: either side
+    assert draw_problem(dist, 0.19, 2) is not None
+    assert "probability 0" in (draw_problem(dist, 0.5, 3) or "")
+    assert draw_problem(np.array([0.0, 1.0]), None, 1) is None
+    assert "without a draw" in (draw_problem(dist, None, 4) or "")
+
+
+def test_uniforms_are_the_verifiers_stream():
+    params = SamplingParams(temperature=1.0)
+    state = TargetState.__new__(TargetState)  # just the stream: no model needed
+    bits = np.random.PCG64(123)
+    state.rng, state.draws = np.random.Generator(bits), 0
+    drawn = [float(state.rng.random()) for _ in range(7)]
+    assert uniforms(123, 0, 7) == drawn
+    assert uniforms(123, 3, 4) == drawn[3:]
+    assert params.temperature == 1.0
+
+
+# --- verify passes on honest records --------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "model", "self-model", "auto"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED, FILTERED], ids=["greedy", "sampled", "filtered"])
+def test_verify_passes_on_honest_records(models, drafter, params):
+    target, draft, _ = models
+    events = audited_run(target, params, source(drafter, target, draft))
+    ref = decode(target, PROMPT, params, source(drafter, target, draft), k=3)
+    summary = events[-1]
+    assert isinstance(summary, SpeculativeEvent) and summary.tokens == ref.tokens  # the helper is `decode`
+    draft_model = target if drafter == "self-model" else draft
+    report = verify_request("req", events, target, draft_model)
+    assert report.verdict == "pass", [(s.step, s.problems) for s in report.steps if s.problems] + [
+        report.problems,
+        report.unchecked,
+    ]
+    assert [s.step for s in report.steps] == list(range(len(steps_of(events))))
+    if drafter != "none":
+        assert sum(s.drafted for s in report.steps) > 0
+    if not params.greedy:
+        assert report.max_q_error < 1e-5  # the tolerance (1e-4) is far from what round-off does
+
+
+def test_sampled_model_drafter_exercises_draws_and_residuals(models):
+    """The honest records above must include what the proof is about: draws, rejections with
+    a residual from the draft's row, and bonus tokens."""
+    target, draft, _ = models
+    events = audited_run(target, SAMPLED, source("model", target, draft), k=4)
+    steps = steps_of(events)
+    decisions = [d for s in steps for d in s.decisions]
+    assert any(d.u is not None for d in decisions)
+    assert any(not d.kept for d in decisions)
+    assert any(d.kept for d in decisions)
+    assert any(uses_draft_rows(s, SAMPLED) for s in steps)
+    assert verify_request("req", events, target, draft).verdict == "pass"
+
+
+def test_without_the_draft_model_sampled_model_steps_are_unchecked_not_passed(models):
+    target, draft, _ = models
+    events = audited_run(target, SAMPLED, source("model", target, draft), k=4)
+    report = verify_request("req", events, target, None)
+    assert report.verdict == "incomplete"
+    assert any("draft model is not available" in u for u in report.unchecked)
+
+
+# --- verify fails, naming the step, on every kind of tampering ------------------------------
+
+
+@pytest.fixture(scope="module")
+def sampled_record(models):
+    target, draft, _ = models
+    return audited_run(target, SAMPLED, source("model", target, draft), k=4)
+
+
+@pytest.fixture(scope="module")
+def greedy_record(models):
+    target, draft, _ = models
+    return audited_run(target, GREEDY, source("ngram", target, draft), k=4)
+
+
+def first_step(events: list[AuditEvent], where: Callable[[StepEvent], bool]) -> StepEvent:
+    return next(s for s in steps_of(events) if s.step > 0 and where(s))
+
+
+def with_draw(s: StepEvent) -> bool:
+    return any(d.u is not None for d in s.decisions)
+
+
+def rejected(s: StepEvent) -> bool:
+    return bool(s.decisions) and not s.decisions[-1].kept
+
+
+def test_tampered_q_is_caught(models, sampled_record):
+    target, draft, _ = models
+    step = first_step(sampled_record, with_draw)
+    pos = next(d.position for d in step.decisions if d.u is not None)
+    events = replace_decision(
+        sampled_record, step.step, pos, lambda d: msgspec.structs.replace(d, q=d.q * 0.7)
+    )
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "recorded q(x)")
+
+
+def test_tampered_p_is_caught(models, sampled_record):
+    target, draft, _ = models
+    step = first_step(sampled_record, with_draw)
+    pos = next(d.position for d in step.decisions if d.u is not None)
+    events = replace_decision(
+        sampled_record, step.step, pos, lambda d: msgspec.structs.replace(d, p=d.p * 1.3)
+    )
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "recorded p(x)")
+
+
+def test_flipped_kept_is_caught(models, sampled_record):
+    target, draft, _ = models
+    step = first_step(sampled_record, lambda s: with_draw(s) and s.decisions[-1].kept)
+    d = step.decisions[-1]
+    events = replace_decision(
+        sampled_record, step.step, d.position, lambda d: msgspec.structs.replace(d, kept=False)
+    )
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "")
+
+
+def test_flipped_kept_with_a_consistent_emission_is_caught_by_the_rule(models, sampled_record):
+    """A forger who also fixes up emitted and replacement still breaks the rule on (u, p, q)."""
+    target, draft, _ = models
+    step = first_step(
+        sampled_record, lambda s: bool(s.decisions) and s.decisions[-1].kept and s.decisions[-1].u is not None
+    )
+    last = step.decisions[-1]
+    decisions = [
+        *step.decisions[:-1],
+        msgspec.structs.replace(last, kept=False, replacement=step.emitted[-1]),
+    ]
+    emitted = [*step.emitted[: last.position], step.emitted[-1]]
+    events = replace_step(sampled_record, step.step, decisions=decisions, emitted=emitted)
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "the rule says kept")
+
+
+def test_changed_u_is_caught(models, sampled_record):
+    target, draft, _ = models
+    step = first_step(sampled_record, with_draw)
+    pos = next(d.position for d in step.decisions if d.u is not None)
+    events = replace_decision(
+        sampled_record, step.step, pos, lambda d: msgspec.structs.replace(d, u=(d.u or 0.0) * 0.999)
+    )
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "seeded stream")
+
+
+def test_changed_final_u_is_caught(models, sampled_record):
+    target, draft, _ = models
+    step = first_step(sampled_record, lambda s: s.final_u is not None)
+    assert step.final_u is not None
+    events = replace_step(sampled_record, step.step, final_u=(step.final_u + 0.5) % 1.0)
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "")
+
+
+def test_changed_replacement_is_caught(models, sampled_record):
+    target, draft, _ = models
+    step = first_step(sampled_record, rejected)
+    last = step.decisions[-1]
+    other = (last.replacement or 0) + 1
+    decisions = [*step.decisions[:-1], msgspec.structs.replace(last, replacement=other)]
+    events = replace_step(sampled_record, step.step, decisions=decisions, emitted=[*step.emitted[:-1], other])
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "replacement token")
+
+
+def test_changed_greedy_bonus_is_caught(models, greedy_record):
+    target, draft, _ = models
+    step = first_step(greedy_record, lambda s: True)
+    emitted = [*step.emitted[:-1], step.emitted[-1] + 1]
+    events = replace_step(greedy_record, step.step, emitted=emitted)
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "argmax")
+
+
+def test_changed_greedy_q_is_caught(models, greedy_record):
+    target, draft, _ = models
+    step = first_step(greedy_record, lambda s: bool(s.decisions))
+    events = replace_decision(greedy_record, step.step, 0, lambda d: msgspec.structs.replace(d, q=1.0 - d.q))
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "q(x)")
+
+
+@pytest.mark.parametrize("which", ["middle", "prefill"])
+def test_dropped_step_is_caught(models, sampled_record, which):
+    target, draft, _ = models
+    gone = 0 if which == "prefill" else len(steps_of(sampled_record)) // 2
+    events = [e for e in sampled_record if not (isinstance(e, StepEvent) and e.step == gone)]
+    report = verify_request("req", events, target, draft)
+    assert report.verdict == "fail" and report.failed_steps == [gone]
+    assert any(f"step {gone} is missing" in p for s in report.steps for p in s.problems)
+
+
+def test_dropped_last_step_is_caught_by_the_summary(models, sampled_record):
+    target, draft, _ = models
+    last = steps_of(sampled_record)[-1].step
+    events = [e for e in sampled_record if not (isinstance(e, StepEvent) and e.step == last)]
+    report = verify_request("req", events, target, draft)
+    assert report.verdict == "fail"
+    assert any(f"step {last} missing" in p for p in report.problems), report.problems
+
+
+def test_tampered_served_tokens_and_seed_are_caught(models, sampled_record):
+    target, draft, _ = models
+    summary = sampled_record[-1]
+    assert isinstance(summary, SpeculativeEvent)
+    forged = [*sampled_record[:-1], msgspec.structs.replace(summary, tokens=[*summary.tokens[:-1], 5])]
+    report = verify_request("req", forged, target, draft)
+    assert report.verdict == "fail" and any("served" in p for p in report.problems)
+    opened = sampled_record[0]
+    assert isinstance(opened, RequestOpened)
+    reseeded = msgspec.structs.replace(opened, settings={**opened.settings, "seed": 6})
+    report = verify_request("req", [reseeded, *sampled_record[1:]], target, draft)
+    assert report.verdict == "fail" and any("seeded stream" in p for s in report.steps for p in s.problems)
+
+
+def test_a_different_target_model_fails_verification(models, sampled_record):
+    _, draft, _ = models
+    report = verify_request("req", sampled_record, draft, draft)  # the draft is not the target
+    assert report.verdict == "fail"
+
+
+# --- the store: WAL reader next to the writer, retention ----------------------------------
+
+
+def snapshot(t: float) -> LaneSnapshot:
+    return LaneSnapshot(
+        event_id=f"lane:verify:{t}", request_id="", time=t, lane="verify", pid=1, restarts=0,
+        lane_state="up", totals=SpeculativeState(runs=3),
+    )  # fmt: skip
+
+
+def fake_request(request_id: str, t: float) -> list[AuditEvent]:
+    opened = RequestOpened(
+        event_id=f"{request_id}:opened", request_id=request_id, time=t, settings={}, prompt_tokens=[1]
+    )
+    step = StepEvent(
+        event_id=f"{request_id}:step:0", request_id=request_id, time=t + 5, step=0, drafter="", k=0,
+        drafted=[], emitted=[2], decisions=[], final_u=None, draws=0, batch_size=1,
+    )  # fmt: skip
+    return [opened, step]
+
+
+def test_a_reader_sees_what_the_writer_committed_and_cannot_write(tmp_path):
+    path = tmp_path / "audit.sqlite"
+    writer = AuditStore(path)
+    writer.add(fake_request("a", 100.0))
+    reader = AuditStore(path, readonly=True)
+    assert reader.request_ids() == ["a"]
+    writer.add(fake_request("b", 200.0))  # while the reader's connection is open
+    assert reader.request_ids() == ["a", "b"] and reader.resolve("b") == "b"
+    with pytest.raises(sqlite3.OperationalError):
+        reader.db.execute("DELETE FROM events")
+    with pytest.raises(LookupError):
+        reader.resolve("zz")
+    with pytest.raises(FileNotFoundError):
+        AuditStore(tmp_path / "missing.sqlite", readonly=True)
+    reader.close()
+    writer.close()
+
+
+def test_retention_deletes_whole_requests_by_age_and_by_count(tmp_path):
+    store = AuditStore(tmp_path / "audit.sqlite")
+    for i, t in enumerate([1000.0, 2000.0, 3000.0, 4000.0]):
+        store.add(fake_request(f"r{i}", t))
+    store.add([snapshot(1000.0), snapshot(3900.0)])
+    assert store.prune(max_age_seconds=0, max_requests=0, now=5000.0) == 0  # both limits off
+    # r0's last event is at 1005: older than 5000 - 2500; r1's opened is old but its step is not.
+    assert store.prune(max_age_seconds=3000.0, max_requests=0, now=5000.0) == 1
+    assert store.request_ids() == ["r1", "r2", "r3"]
+    assert [e.time for e in store.of_types(["LaneSnapshot"])] == [3900.0]
+    assert store.prune(max_age_seconds=0, max_requests=2, now=5000.0) == 1
+    assert store.request_ids() == ["r2", "r3"]
+    assert all(len(store.events(r)) == 2 for r in ("r2", "r3"))  # nothing half-deleted
+    assert store.counts() == {"requests": 2, "RequestOpened": 2, "StepEvent": 2, "LaneSnapshot": 1}
+    store.close()
+
+
+# --- the command line on a tiny model ------------------------------------------------------
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = cli.main(["audit", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_cli_list_show_stats_verify_and_a_tampered_record(models, sampled_record, tmp_path, capsys):
+    _, _, root = models
+    opened = sampled_record[0]
+    assert isinstance(opened, RequestOpened)
+    settings = {
+        **opened.settings,
+        "model": str(root / "target.gguf"),
+        "draft_model": str(root / "draft.gguf"),
+    }
+    events = [msgspec.structs.replace(opened, settings=settings), *sampled_record[1:]]
+    db = tmp_path / "audit.sqlite"
+    store = AuditStore(db)
+    store.add([*events, snapshot(time.time())])
+
+    code, out = run_cli(capsys, "list", "--db", str(db), "--json")
+    rows = msgspec.json.decode(out)
+    assert code == 0 and [r["request_id"] for r in rows] == ["req"]
+    assert rows[0]["steps"] == len(steps_of(events)) - 1 and rows[0]["drafter"] == "model"
+    code, out = run_cli(capsys, "list", "--db", str(db))
+    assert code == 0 and "req" in out and "model" in out
+    code, out = run_cli(capsys, "show", "re", "--db", str(db), "--json")
+    shown = msgspec.json.decode(out)
+    assert code == 0 and len(shown["steps"]) == len(steps_of(events)) and shown["summary"]["tokens"]
+    code, out = run_cli(capsys, "show", "req", "--db", str(db))
+    assert code == 0 and "pos 0: draft" in out
+    code, out = run_cli(capsys, "stats", "--db", str(db), "--json")
+    stats = msgspec.json.decode(out)
+    assert code == 0 and stats["events"]["requests"] == 1 and stats["lanes"]["verify"]["totals"]["runs"] == 3
+    code, out = run_cli(capsys, "stats", "--db", str(db))
+    assert code == 0 and "verify" in out
+
+    code, out = run_cli(capsys, "verify", "req", "--db", str(db))
+    assert code == 0, out
+    assert out.strip().splitlines()[-1].startswith("verdict: pass")
+    code, out = run_cli(capsys, "verify", "req", "--db", str(db), "--json")
+    assert code == 0 and msgspec.json.decode(out)["verdict"] == "pass"
+
+    step = first_step(events, with_draw)
+    tamper_stored_step(db, "req", step.step)
+    code, out = run_cli(capsys, "verify", "req", "--db", str(db))
+    assert code == 1, out
+    assert f"step {step.step:>4}" in out and "FAIL" in out
+    assert f"verdict: fail at step {step.step}" in out
+    code, out = run_cli(capsys, "verify", "nope", "--db", str(db))
+    assert code == 2
+    store.close()
+
+
+def tamper_stored_step(db_path, request_id: str, step: int) -> None:
+    """Halve q(x) of the first drawn decision of a stored step (or flip a greedy decision)."""
+    db = sqlite3.connect(db_path)
+    try:
+        (body,) = db.execute(
+            "SELECT body FROM events WHERE request_id = ? AND step = ?", (request_id, step)
+        ).fetchone()
+        event = decode_event(body)
+        assert isinstance(event, StepEvent) and event.decisions
+        d = next((d for d in event.decisions if d.u is not None), event.decisions[0])
+        forged = msgspec.structs.replace(d, q=d.q * 0.5 if d.u is not None else 1.0 - d.q)
+        decisions = [forged if x.position == d.position else x for x in event.decisions]
+        db.execute(
+            "UPDATE events SET body = ? WHERE request_id = ? AND step = ?",
+            (encode(msgspec.structs.replace(event, decisions=decisions)), request_id, step),
+        )
+        db.commit()
+    finally:
+        db.close()
+
+
+# --- end to end: a real pipeline, the default model, the command ---------------------------
+
+
+@pytest.mark.slow
+def test_audit_verify_passes_on_real_requests_and_names_a_tampered_step(tmp_path):
+    from pipeline.model import default_model_path
+
+    from .pipeline_harness import running_pipeline
+
+    settings = [
+        f"model.draft_path={default_model_path()}",  # the target drafts for itself: sampled p rows
+        "timeouts.draft=5.0",
+        "audit.resend_after=0.5",
+        "audit.snapshot_seconds=0.5",
+    ]
+    prompt = "Write a Python function that reverses a string, then explain it."
+    runs = {
+        "greedy": (SamplingParams(max_tokens=40), "auto"),
+        "sampled": (SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40), "model"),
+        "sampled-ngram": (SamplingParams(temperature=1.0, seed=3, max_tokens=40), "ngram"),
+    }
+    with running_pipeline(tmp_path / "run", settings) as pipeline:
+        ids = {}
+        with pipeline.client() as client:
+            for name, (params, drafter) in runs.items():
+                done = client.complete(prompt, chat=True, params=params, drafter=drafter, k=4)
+                assert "error" not in done, done
+                ids[name] = done["request_id"]
+        pipeline.wait_until(lambda r: r.audit_pending == 0, what="the audit outbox to empty")
+        db = pipeline.config.audit.path
+
+        def audit(*argv: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "pipeline.cli", "audit", *argv, "--db", db]
+            return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+        # While the pipeline (and its audit lane, the writer) runs: WAL readers work alongside.
+        for name, request_id in ids.items():
+            result = audit("verify", request_id)
+            assert result.returncode == 0, (name, result.stdout, result.stderr)
+            assert result.stdout.strip().splitlines()[-1].startswith("verdict: pass"), result.stdout
+        report = msgspec.json.decode(audit("verify", ids["sampled"], "--json").stdout)
+        assert report["verdict"] == "pass" and report["max_q_error"] < 1e-4
+        listed = msgspec.json.decode(audit("list", "--json").stdout)
+        assert {r["request_id"] for r in listed} == set(ids.values())
+        stats = msgspec.json.decode(audit("stats", "--json").stdout)
+        assert {"verify", "draft", "audit"} <= set(stats["lanes"]) and stats["finished_requests"] == 3
+
+        store = AuditStore(db, readonly=True)
+        steps = [e for e in store.events(ids["sampled"]) if isinstance(e, StepEvent)]
+        store.close()
+        target = next(s for s in steps if any(d.u is not None for d in s.decisions))
+        tamper_stored_step(db, ids["sampled"], target.step)
+        result = audit("verify", ids["sampled"])
+        assert result.returncode == 1, result.stdout
+        assert f"verdict: fail at step {target.step}" in result.stdout, result.stdout
