@@ -111,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
     )
     pipe_bench.add_argument("--json", action="store_true")
+    peers_bench = bench_sub.add_parser(
+        "peers", help="speclanes vs transformers and llama-cpp-python (ops/bench/install_peers.sh)"
+    )
+    peers_bench.add_argument("--model", metavar="PATH")
+    peers_bench.add_argument("--peers", default="hf,llama_cpp", help="peers to run (skipped if missing)")
+    peers_bench.add_argument("--drafters", default="none,ngram,auto", help="speclanes drafters")
+    peers_bench.add_argument("--no-pipeline", action="store_true", help="speclanes in-process rows only")
+    peers_bench.add_argument("--repeats", type=int, default=3)
+    peers_bench.add_argument("--max-tokens", type=int, default=128, help="new tokens (EOS ignored)")
+    peers_bench.add_argument("--lookup-tokens", type=int, default=10, help="peers' prompt-lookup drafts")
+    peers_bench.add_argument(
+        "--output", default="ops/bench/peers.md", help="table file; the chart goes next to it ('-': none)"
+    )
+    peers_bench.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
+    )
+    peers_bench.add_argument("--json", action="store_true")
     from .audit_cli import add_parser as add_audit_parser
 
     add_audit_parser(sub, _add_config_flags)
@@ -307,9 +324,14 @@ def cmd_stream(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import model_bench, pipeline_bench, speculative_bench
+    from .bench import model_bench, peers_bench, pipeline_bench, speculative_bench
 
-    benches = {"model": model_bench, "speculative": speculative_bench, "pipeline": pipeline_bench}
+    benches = {
+        "model": model_bench,
+        "speculative": speculative_bench,
+        "pipeline": pipeline_bench,
+        "peers": peers_bench,
+    }
     return benches[args.bench].main(args)
 
 

@@ -1,0 +1,526 @@
+"""speclanes against the tools a user would otherwise pick, on the same file, prompts and cores.
+
+Rows: speclanes in this process and through a private pipeline with the drafters `none`,
+`ngram` and `auto`; HF transformers (torch CPU, float32 weights dequantized from the same GGUF
+with `gguf_file=`) plain and with `prompt_lookup_num_tokens`; llama-cpp-python plain and with
+`LlamaPromptLookupDecoding`. Every row gets the same prompt token ids (speclanes' tokenizer and
+chat template), greedy decoding, the same number of threads and exactly `--max-tokens` new tokens:
+EOS is ignored everywhere (the argmax is taken even when it is EOS), so all rows do the same work.
+
+The peers run in worker processes (`peer_workers.py`), one at a time, never two rows at once; runs
+are interleaved (each repeat visits every row, in a rotated order) and figures are medians, so
+drift on a shared machine hits every row alike. A peer that is not installed (see
+`ops/bench/install_peers.sh`) or fails to start is skipped and the output says why.
+
+The reference is speclanes `none` in this process. Peers with other numerics (llama.cpp's
+quantized kernels) may legitimately differ from it, so each row also says whether its output
+equals its own system's plain mode: that is the exactness check for a peer's speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..client import Client
+from ..drafters.registry import make_draft_source
+from ..model import Model, default_model_path
+from ..sampling import SamplingParams
+from ..speculative import decode
+from .pipeline_bench import chat_prompt, cpu_seconds, lane_pids, machine_busy_seconds, running_pipeline
+from .speculative_bench import WORKLOADS
+
+GOAL_WORKLOADS = ("quote", "code")
+PEERS = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",)}
+PEER_NAMES = {"hf": "transformers", "llama_cpp": "llama.cpp"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: a system and its mode; `plain` names the row it is compared with."""
+
+    system: str  # speclanes | pipeline | transformers | llama.cpp
+    mode: str  # a drafter for speclanes, plain | lookup for the peers
+    plain: str  # the mode of the same system without speculation
+
+    @property
+    def name(self) -> str:
+        return f"{self.system} {self.mode}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode != self.plain
+
+
+REFERENCE = Variant("speclanes", "none", "none")
+
+
+def progress(text: str) -> None:
+    print(f"bench peers: {text}", file=sys.stderr, flush=True)
+
+
+# --- which rows run -------------------------------------------------------------------
+
+
+def peer_missing(peer: str) -> str | None:
+    """Why a peer cannot run here (a module that does not import), or None."""
+    missing = [m for m in PEERS[peer] if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"not installed ({', '.join(missing)}; run ops/bench/install_peers.sh)"
+    return None
+
+
+def variants(drafters: list[str], pipeline: bool, peers: list[str]) -> list[Variant]:
+    """The rows in table order: the reference first."""
+    rows = [Variant("speclanes", d, "none") for d in drafters]
+    if pipeline:
+        rows += [Variant("pipeline", d, "none") for d in drafters]
+    for peer in peers:
+        rows += [Variant(PEER_NAMES[peer], m, "plain") for m in ("plain", "lookup")]
+    return rows
+
+
+def rotated(items: list, shift: int) -> list:
+    """`items` starting at `shift`: each repeat runs the rows in another order."""
+    if not items:
+        return items
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+# --- the peers' worker processes ------------------------------------------------------
+
+
+class PeerWorker:
+    """A peer model loaded in its own process; `run` sends one request and waits for the reply."""
+
+    def __init__(self, peer: str, model_path: Path, threads: int, lookup: int) -> None:
+        command = [sys.executable, "-m", "pipeline.bench.peer_workers", peer, str(model_path),
+                   str(threads), str(lookup)]  # fmt: skip
+        self.peer = peer
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            cwd=Path(__file__).resolve().parents[2],
+        )  # fmt: skip
+        hello = self._reply()
+        self.info = hello.get("info", {})
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise RuntimeError(
+                f"{PEER_NAMES[self.peer]} worker exited with code {code} (its stderr is above)"
+            )
+        return json.loads(line)
+
+    def run(self, mode: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        request = {"mode": "prompt_lookup" if mode == "lookup" else "plain", "prompt": prompt,
+                   "max_tokens": max_tokens}  # fmt: skip
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        reply = self._reply()
+        if "error" in reply:
+            raise RuntimeError(f"{PEER_NAMES[self.peer]} {mode}: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_workers(
+    peers: list[str], model_path: Path, threads: int, lookup: int, skipped: dict[str, str]
+) -> dict[str, PeerWorker]:
+    """Workers for the peers that are installed and start; the others go into `skipped`."""
+    workers: dict[str, PeerWorker] = {}
+    for peer in peers:
+        reason = peer_missing(peer)
+        if reason is None:
+            progress(f"loading {PEER_NAMES[peer]} in a worker process")
+            try:
+                workers[peer] = PeerWorker(peer, model_path, threads, lookup)
+            except (RuntimeError, OSError, json.JSONDecodeError) as exc:
+                reason = f"failed to start: {exc}"
+        if reason is not None:
+            skipped[PEER_NAMES[peer]] = reason
+            progress(f"skipping {PEER_NAMES[peer]}: {reason}")
+    return workers
+
+
+# --- one run of one row ---------------------------------------------------------------
+
+
+def run_in_process(model: Model, prompt: list[int], max_tokens: int, source, drafter: str) -> dict[str, Any]:
+    """speclanes in this process; the first token comes out of the prefill."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    completion = decode(model, prompt, params, source, k=0 if drafter == "none" else None)
+    stats = completion.stats
+    return {"tokens": list(completion.tokens), "seconds": stats["wall_seconds"],
+            "first_token_seconds": stats["prefill_seconds"], "steps": stats["steps"]}  # fmt: skip
+
+
+def run_pipeline(
+    client: Client, text: str, prompt: list[int], max_tokens: int, drafter: str
+) -> dict[str, Any]:
+    """One chat request through the pipeline, timed as a client sees it (submit to final object);
+    checks that the pipeline tokenized the prompt to the same ids as everyone else got."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start, first, done = time.perf_counter(), None, None
+    request_id = client.submit(text, chat=True, params=params, drafter=drafter).request_id
+    for item in client.chunks(request_id):
+        if isinstance(item, dict):
+            done = item
+        elif first is None and item.tokens:
+            first = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if done is None or "error" in done:
+        raise RuntimeError(f"pipeline {drafter}: {done and done['error']}")
+    if list(done["prompt_tokens"]) != prompt:
+        raise RuntimeError("the pipeline tokenized the prompt differently")
+    return {"tokens": list(done["tokens"]), "seconds": seconds,
+            "first_token_seconds": first or seconds, "steps": done["stats"]["steps"]}  # fmt: skip
+
+
+class Runner:
+    """Runs any row; holds the in-process model, the repeat's pipeline client and draft sources."""
+
+    def __init__(self, model: Model, workers: dict[str, PeerWorker], max_tokens: int) -> None:
+        self.model, self.workers, self.max_tokens = model, workers, max_tokens
+        self.client: Client | None = None
+        self.sources: dict[str, Any] = {}
+
+    def new_repeat(self, drafters: list[str], client: Client | None) -> None:
+        """Fresh in-process draft sources, like the fresh pipeline: `auto`'s cross-request cache
+        starts empty each repeat on both sides and is fed the same requests in the same order."""
+        self.sources = {d: make_draft_source(d, self.model) for d in drafters}
+        self.client = client
+
+    def run(self, variant: Variant, workload: str, prompt: list[int], max_tokens: int | None = None) -> dict:
+        n = max_tokens or self.max_tokens
+        if variant.system == "speclanes":
+            return run_in_process(self.model, prompt, n, self.sources[variant.mode], variant.mode)
+        if variant.system == "pipeline":
+            assert self.client is not None
+            return run_pipeline(self.client, WORKLOADS[workload], prompt, n, variant.mode)
+        peer = next(p for p, name in PEER_NAMES.items() if name == variant.system)
+        return self.workers[peer].run(variant.mode, prompt, n)
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+def process_cpu(pids: list[int]) -> float:
+    return sum(cpu_seconds(pid) for pid in pids)
+
+
+def one_repeat(
+    runner: Runner, rows: list[Variant], prompts: dict[str, list[int]], repeat: int, runs: dict
+) -> None:
+    """Every workload through every row once, in an order rotated by the repeat."""
+    for workload, prompt in prompts.items():
+        for variant in rotated(rows, repeat):
+            time.sleep(0.2)  # let the previous row's spinning thread pools go idle
+            runs[workload][variant.name].append(runner.run(variant, workload, prompt))
+
+
+def measure(args: argparse.Namespace, model: Model, rows: list[Variant], runner: Runner) -> tuple[dict, dict]:
+    """All repeats; a fresh pipeline per repeat if pipeline rows are in. Returns runs and load figures."""
+    prompts = {w: chat_prompt(model, text) for w, text in WORKLOADS.items()}
+    runs: dict = {w: {v.name: [] for v in rows} for w in prompts}
+    drafters = sorted({v.mode for v in rows if v.system in ("speclanes", "pipeline")})
+    settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
+    ours = [os.getpid(), *(w.proc.pid for w in runner.workers.values())]
+    started, busy0, load0 = time.perf_counter(), machine_busy_seconds(), os.getloadavg()
+    own_cpu, own0 = 0.0, process_cpu(ours)
+    for repeat in range(args.repeats):
+        progress(f"repeat {repeat + 1}/{args.repeats}")
+        if any(v.system == "pipeline" for v in rows):
+            with (
+                running_pipeline(settings) as config,
+                Client(config.addresses.client, timeout=60.0) as client,
+            ):
+                pids = list(lane_pids(client.status()).values())
+                lanes0 = process_cpu(pids)
+                runner.new_repeat(drafters, client)
+                if repeat == 0:
+                    warm_up(runner, rows, prompts)
+                one_repeat(runner, rows, prompts, repeat, runs)
+                own_cpu += process_cpu(pids) - lanes0
+        else:
+            runner.new_repeat(drafters, None)
+            if repeat == 0:
+                warm_up(runner, rows, prompts)
+            one_repeat(runner, rows, prompts, repeat, runs)
+    wall = time.perf_counter() - started
+    own_cpu += process_cpu(ours) - own0
+    machine = (machine_busy_seconds() - busy0) / wall
+    load = {"loadavg_start": load0, "loadavg_end": os.getloadavg(), "wall_seconds": wall,
+            "cores_busy_ours": own_cpu / wall, "cores_busy_others": max(0.0, machine - own_cpu / wall),
+            "cores": os.cpu_count()}  # fmt: skip
+    return runs, load
+
+
+def warm_up(runner: Runner, rows: list[Variant], prompts: dict[str, list[int]]) -> None:
+    """One short untimed run per row: first calls pay for lazy initialisation (torch especially).
+    Runs before the repeat's draft sources are used for real, then they are replaced."""
+    progress("warming up every row")
+    workload, prompt = next(iter(prompts.items()))
+    for variant in rows:
+        runner.run(variant, workload, prompt, max_tokens=8)
+    runner.new_repeat(list(runner.sources), runner.client)
+
+
+# --- summary --------------------------------------------------------------------------
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (None if equal)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def equality(runs: list[dict], want: list[int]) -> dict[str, Any]:
+    """Whether every run's tokens equal `want`, and the earliest difference if not."""
+    diffs = [d for r in runs if (d := first_difference(r["tokens"], want)) is not None]
+    return {"equal": not diffs, "first_difference": min(diffs) if diffs else None}
+
+
+def summarise(runs: dict, rows: list[Variant]) -> dict:
+    """Per workload and row: medians of tokens/s (end to end and after the first token), speed-ups,
+    mean accepted length (new tokens after the first per target forward after the prompt's) and
+    the equality checks."""
+    out: dict = {}
+    for workload, by_row in runs.items():
+        rates = {
+            name: statistics.median(len(r["tokens"]) / r["seconds"] for r in rs)
+            for name, rs in by_row.items()
+        }
+        reference = by_row[REFERENCE.name][0]["tokens"]
+        out[workload] = {}
+        for v in rows:
+            rs = by_row[v.name]
+            plain = f"{v.system} {v.plain}"
+            out[workload][v.name] = {
+                "system": v.system, "mode": v.mode, "tokens": len(rs[-1]["tokens"]),
+                "tokens_per_second": rates[v.name],
+                "decode_tokens_per_second": statistics.median(decode_rate(r) for r in rs),
+                "first_token_seconds": statistics.median(r["first_token_seconds"] for r in rs),
+                "speedup_vs_plain": rates[v.name] / rates[plain],
+                "speedup_vs_reference": rates[v.name] / rates[REFERENCE.name],
+                "mean_accepted_length": statistics.median(accepted_length(r) for r in rs),
+                "reference": equality(rs, reference),
+                "own_plain": equality(rs, by_row[plain][0]["tokens"]) if v.speculative else None,
+            }  # fmt: skip
+    return out
+
+
+def decode_rate(run: dict) -> float:
+    """Tokens after the first over the time after the first: decoding without the prefill."""
+    return (len(run["tokens"]) - 1) / max(run["seconds"] - run["first_token_seconds"], 1e-9)
+
+
+def accepted_length(run: dict) -> float:
+    return (len(run["tokens"]) - 1) / run["steps"] if run["steps"] > 0 else 0.0
+
+
+def goal(summary: dict) -> list[dict]:
+    """speclanes auto (each path) against each peer's prompt-lookup mode on quote and code."""
+    checks = []
+    for workload in GOAL_WORKLOADS:
+        rows = summary.get(workload, {})
+        for ours in ("speclanes auto", "pipeline auto"):
+            for peer in ("transformers lookup", "llama.cpp lookup"):
+                if ours in rows and peer in rows:
+                    ratio = rows[ours]["tokens_per_second"] / rows[peer]["tokens_per_second"]
+                    checks.append({"workload": workload, "ours": ours, "peer": peer, "ratio": ratio})
+    return checks
+
+
+# --- report ---------------------------------------------------------------------------
+
+
+def same_text(check: dict | None) -> str:
+    if check is None:
+        return "-"
+    return "yes" if check["equal"] else f"no (from token {check['first_difference']})"
+
+
+def render_table(summary: dict) -> list[str]:
+    lines = [
+        "| workload | system | mode | tok/s | speed-up vs own plain | vs speclanes none | decode tok/s "
+        "| first token s | mean accepted len | = reference | = own plain |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for workload, by_row in summary.items():
+        for r in by_row.values():
+            lines.append(
+                f"| {workload} | {r['system']} | {r['mode']} | {r['tokens_per_second']:.1f} "
+                f"| {r['speedup_vs_plain']:.2f}x | {r['speedup_vs_reference']:.2f}x "
+                f"| {r['decode_tokens_per_second']:.1f} | {r['first_token_seconds']:.2f} "
+                f"| {r['mean_accepted_length']:.2f} | {same_text(r['reference'])} "
+                f"| {same_text(r['own_plain'])} |"
+            )
+    return lines
+
+
+def render_goal(checks: list[dict]) -> list[str]:
+    if not checks:
+        return ["Goal: not checked (needs speclanes auto and at least one peer's prompt-lookup row)."]
+    lines = [f"Goal: speclanes `auto` faster end to end than each peer's prompt lookup on "
+             f"{' and '.join(GOAL_WORKLOADS)}:"]  # fmt: skip
+    for c in checks:
+        verdict = "faster" if c["ratio"] > 1 else "SLOWER"
+        lines.append(f"- {c['workload']}: {c['ours']} / {c['peer']} = {c['ratio']:.2f}x ({verdict})")
+    met = all(c["ratio"] > 1 for c in checks)
+    lines.append(f"Goal {'met' if met else 'NOT met'}.")
+    return lines
+
+
+def render(results: dict, chart: str | None) -> str:
+    m, load = results["meta"], results["load"]
+    lines = [
+        f"Peer benchmark, {m['date']}: {m['model']}, {m['max_tokens']} new tokens (EOS ignored), greedy, "
+        f"{m['threads']} threads, {m['repeats']} interleaved repeats (medians), on {m['cpu']}.",
+        "",
+        *render_table(results["summary"]),
+        "",
+        "tok/s: new tokens over wall time from request to last token (prefill included; the pipeline "
+        "as a client sees it). decode tok/s: tokens after the first over the time after the first. "
+        "mean accepted len: tokens after the first per target forward after the prompt's. "
+        '= reference: output equals speclanes `none` in-process ("from token i": first difference); '
+        "= own plain: a speculative row equals its own system's plain output.",
+        "",
+        *render_goal(results["goal"]),
+        "",
+        f"Versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}. Prompt lookup: "
+        f"{m['lookup_tokens']} tokens per draft in both peers (their default n-gram sizes).",
+        f"Machine load: loadavg {fmt_load(load['loadavg_start'])} at start, {fmt_load(load['loadavg_end'])} "
+        f"at end; over the {load['wall_seconds']:.0f} s run this benchmark kept "
+        f"{load['cores_busy_ours']:.2f} cores busy and other processes "
+        f"{load['cores_busy_others']:.2f} (of {load['cores']}).",
+    ]
+    for name, reason in results["skipped"].items():
+        lines.append(f"Skipped {name}: {reason}.")
+    if chart:
+        lines += ["", f"![tokens/s by workload]({chart})"]
+    return "\n".join(lines) + "\n"
+
+
+def fmt_load(values: Any) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+def plot(summary: dict, path: Path, title: str) -> bool:
+    """Grouped bars of end-to-end tokens/s per workload; False if matplotlib is not installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(summary)
+    names = list(summary[workloads[0]])
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(names) * len(workloads) / 2), 5))
+    cmap = plt.get_cmap("tab20")
+    for i, name in enumerate(names):
+        xs = [w + (i - (len(names) - 1) / 2) * width for w in range(len(workloads))]
+        ys = [summary[w][name]["tokens_per_second"] for w in workloads]
+        bars = ax.bar(xs, ys, width, label=name, color=cmap(i % 20))
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylabel("new tokens / s (end to end, median)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --- main -----------------------------------------------------------------------------
+
+
+def machine_cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def main(args: argparse.Namespace) -> int:
+    model_path = Path(args.model or default_model_path())
+    threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or 2)
+    drafters = ["none", *(d for d in args.drafters.split(",") if d != "none")]
+    skipped: dict[str, str] = {}
+    peers = [p for p in args.peers.split(",") if p]
+    model = Model.load(model_path)
+    workers = start_workers(peers, model_path, threads, args.lookup_tokens, skipped)
+    rows = variants(drafters, not args.no_pipeline, list(workers))
+    runner = Runner(model, workers, args.max_tokens)
+    try:
+        runs, load = measure(args, model, rows, runner)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    import numpy
+
+    versions = {"numpy": numpy.__version__}
+    for worker in workers.values():
+        versions.update({k: str(v) for k, v in worker.info.items() if k != "threads"})
+    summary = summarise(runs, rows)
+    results = {
+        "meta": {"date": datetime.date.today().isoformat(), "model": model_path.name, "cpu": machine_cpu(),
+                 "max_tokens": args.max_tokens, "threads": threads, "repeats": args.repeats,
+                 "lookup_tokens": args.lookup_tokens, "versions": versions},
+        "summary": summary, "goal": goal(summary), "load": load, "skipped": skipped,
+    }  # fmt: skip
+    write_outputs(args, results)
+    return 0 if all(r["reference"]["equal"] for r in summary_rows(summary, "speclanes", "pipeline")) else 1
+
+
+def summary_rows(summary: dict, *systems: str) -> list[dict]:
+    return [r for by_row in summary.values() for r in by_row.values() if r["system"] in systems]
+
+
+def write_outputs(args: argparse.Namespace, results: dict) -> None:
+    """The table to stdout (or JSON), and, unless --output is '-', to OUTPUT with the chart next to it."""
+    chart = None
+    if args.output != "-":
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        png = out.with_suffix(".png")
+        m = results["meta"]
+        title = f"{m['model']}, {m['max_tokens']} new tokens, greedy, {m['threads']} threads"
+        if plot(results["summary"], png, title):
+            chart = png.name
+        else:
+            results["skipped"]["chart"] = "matplotlib is not installed"
+        out.write_text(render(results, chart))
+        out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+        progress(f"wrote {out}, {out.with_suffix('.json')}" + (f" and {png}" if chart else ""))
+    print(json.dumps(results, indent=2) if args.json else render(results, chart), end="")
