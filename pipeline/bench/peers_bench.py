@@ -430,6 +430,15 @@ def fmt_load(values: Any) -> str:
     return " ".join(f"{v:.2f}" for v in values)
 
 
+COLOUR_FAMILY = {"speclanes": 0, "transformers": 4, "llama.cpp": 8, "pipeline": 12}  # tab20c hues
+
+
+def bar_colour(system: str, mode: str) -> int:
+    """One hue per system (tab20c has four shades per hue); the darker the shade, the more speculation."""
+    shade = {"none": 2, "plain": 2, "ngram": 1}.get(mode, 0)
+    return COLOUR_FAMILY.get(system, 16) + shade
+
+
 def plot(summary: dict, path: Path, title: str) -> bool:
     """Grouped bars of end-to-end tokens/s per workload; False if matplotlib is not installed."""
     if importlib.util.find_spec("matplotlib") is None:
@@ -441,18 +450,19 @@ def plot(summary: dict, path: Path, title: str) -> bool:
 
     workloads = list(summary)
     names = list(summary[workloads[0]])
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(names) * len(workloads) / 2), 5))
-    cmap = plt.get_cmap("tab20")
+    width = 0.84 / len(names)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.42 * len(names) * len(workloads)), 5.5))
+    cmap = plt.get_cmap("tab20c")
     for i, name in enumerate(names):
+        row = summary[workloads[0]][name]
         xs = [w + (i - (len(names) - 1) / 2) * width for w in range(len(workloads))]
         ys = [summary[w][name]["tokens_per_second"] for w in workloads]
-        bars = ax.bar(xs, ys, width, label=name, color=cmap(i % 20))
+        bars = ax.bar(xs, ys, width, label=name, color=cmap(bar_colour(row["system"], row["mode"])))
         ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
     ax.set_xticks(range(len(workloads)), workloads)
     ax.set_ylabel("new tokens / s (end to end, median)")
     ax.set_title(title)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
