@@ -14,7 +14,7 @@ import trio
 
 from pipeline.audit_store import AuditStore
 from pipeline.lane import LaneContext, lane_main
-from pipeline.messages import AuditAck, AuditInbox, BadMessage
+from pipeline.messages import AuditAck, AuditEvent, AuditInbox, BadMessage
 from pipeline.transport import Inbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,21 @@ def retain(store: AuditStore, lane: LaneContext) -> float:
     if deleted:
         log.info("retention: deleted %d requests from the audit store", deleted)
     return time.monotonic() + audit.prune_seconds
+
+
+def trace_persisted(lane: LaneContext, events: list[AuditEvent], start_ns: int) -> None:
+    """One span per request and write, in the request's own trace: a trace shows when its
+    decisions became durable. Events of no request (lane snapshots) get no span."""
+    by_request: dict[str, list[AuditEvent]] = {}
+    for event in events:
+        if event.trace:
+            by_request.setdefault(event.request_id, []).append(event)
+    for request_id, mine in by_request.items():
+        attributes = {
+            "speclanes.request_id": request_id, "speclanes.events": len(mine),
+            "speclanes.event_types": sorted({type(e).__name__ for e in mine}),
+        }  # fmt: skip
+        lane.telemetry.start("audit persist", mine[0].trace, attributes, start_time=start_ns).end()
 
 
 async def serve(lane: LaneContext) -> None:
@@ -48,7 +63,9 @@ async def serve(lane: LaneContext) -> None:
                 events.append(msg)
         if not events:
             continue
+        start_ns = time.time_ns()
         ids = store.add(events)
+        trace_persisted(lane, events, start_ns)
         lane.state.runs += len(ids)
         try:
             await acks.put(AuditAck(event_ids=ids), timeout=config.timeouts.send)

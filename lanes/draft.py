@@ -39,7 +39,7 @@ class DraftServer:
         self.active: OrderedDict[str, ActiveDraft] = OrderedDict()
 
     def fail(self, msg: DraftRequest, kind: str, message: str) -> StepFailed:
-        self.lane.fault(kind, message, msg.request_id, msg.step)  # type: ignore[arg-type]
+        self.lane.fault(kind, message, msg.request_id, msg.step, msg.trace)  # type: ignore[arg-type]
         origin = "draft"
         return StepFailed(request_id=msg.request_id, step=msg.step, origin=origin, kind=kind, message=message)  # type: ignore[arg-type]
 
@@ -60,6 +60,17 @@ class DraftServer:
         active = self.active.get(msg.request_id)
         if active is not None and active.reply is not None and active.reply.step == msg.step:
             return active.reply
+        attributes = {
+            "speclanes.request_id": msg.request_id, "speclanes.step": msg.step, "speclanes.k": msg.k
+        }  # fmt: skip
+        with self.lane.telemetry.span("draft", msg.trace, attributes) as span:
+            reply = self.propose(msg, active)
+            if isinstance(reply, Drafted):
+                span.set_attribute("speclanes.drafted", len(reply.tokens))
+                span.set_attribute("speclanes.drafter", reply.drafter)
+            return reply
+
+    def propose(self, msg: DraftRequest, active: ActiveDraft | None) -> Drafted | StepFailed:
         start = time.perf_counter()
         try:
             if active is None:

@@ -50,7 +50,7 @@ class Verifier:
 
     def fail(self, msg: Open | Verify, kind: str, message: str) -> StepFailed:
         if kind != "unknown_request":
-            self.lane.fault(kind, message, msg.request_id, msg.step)  # type: ignore[arg-type]
+            self.lane.fault(kind, message, msg.request_id, msg.step, msg.trace)  # type: ignore[arg-type]
         origin = "open" if isinstance(msg, Open) else "verify"
         return StepFailed(request_id=msg.request_id, step=msg.step, origin=origin, kind=kind, message=message)  # type: ignore[arg-type]
 
@@ -72,9 +72,15 @@ class Verifier:
         if (problem := self.check_tokens(msg.tokens)) is not None:
             return self.fail(msg, "bad_request", problem)
         start = time.perf_counter()
-        capacity = max(min(msg.capacity, context), len(msg.tokens) + 1)
-        target = TargetState(self.model, msg.params, msg.seed, draws=msg.draws, capacity=capacity)
-        token, u = target.prefill(msg.tokens, sample=msg.sample)
+        attributes = {
+            "speclanes.request_id": msg.request_id, "speclanes.step": msg.step,
+            "speclanes.tokens": len(msg.tokens), "speclanes.draws": msg.draws,
+        }  # fmt: skip
+        # A re-prime (sample=False) rebuilds a restarted lane's cache from the accepted prefix.
+        with self.lane.telemetry.span("prefill" if msg.sample else "reprime", msg.trace, attributes):
+            capacity = max(min(msg.capacity, context), len(msg.tokens) + 1)
+            target = TargetState(self.model, msg.params, msg.seed, draws=msg.draws, capacity=capacity)
+            token, u = target.prefill(msg.tokens, sample=msg.sample)
         reply = Opened(
             request_id=msg.request_id, step=msg.step, trace=msg.trace,
             token=token, u=u, draws=target.draws, seconds=time.perf_counter() - start,
@@ -118,7 +124,7 @@ class Verifier:
         return request
 
     def verify_batch(self, batch: list[tuple[Verify, Request]]) -> list[Verified | StepFailed]:
-        start = time.perf_counter()
+        start, start_ns = time.perf_counter(), time.time_ns()
         try:
             all_logits = self.model.forward_batch(
                 [(request.target.cache, [msg.pending, *msg.drafts]) for msg, request in batch]
@@ -138,12 +144,29 @@ class Verifier:
                 seconds=time.perf_counter() - start,
             )  # fmt: skip
             replies.append(request.reply)
+            self.trace_step(msg, request.reply, start_ns, rows=sum(1 + len(m.drafts) for m, _ in batch))
             state = self.lane.state
             state.drafted += len(msg.drafts)
             state.accepted += verdict.accepted
         self.lane.state.batches += 1
         self.lane.state.batched_rows += sum(1 + len(msg.drafts) for msg, _ in batch)
         return replies
+
+    def trace_step(self, msg: Verify, reply: Verified, start_ns: int, rows: int) -> None:
+        """One span per request even when its step shared a batched forward with others."""
+        k, accepted = len(msg.drafts), reply.accepted
+        span = self.lane.telemetry.start(
+            "verify",
+            msg.trace,
+            {
+                "speclanes.request_id": msg.request_id, "speclanes.step": msg.step, "speclanes.k": k,
+                "speclanes.accepted": accepted, "speclanes.acceptance": accepted / k if k else 0.0,
+                "speclanes.batch_size": reply.batch_size, "speclanes.batch_rows": rows,
+                "speclanes.emitted": len(reply.tokens),
+            },
+            start_time=start_ns,
+        )  # fmt: skip
+        span.end()
 
     def handle(
         self, messages: list[Open | Verify | Close | BadMessage]

@@ -215,8 +215,10 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     from .client import Client
     from .supervisor import pid_file, supervise
+    from .telemetry import check
 
     config = _config(args)
+    check()  # an OTEL_* setting no process could honour fails here, not in a restart loop
     if not args.detach:
         supervise(config)
         return 0

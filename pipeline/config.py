@@ -16,6 +16,8 @@ from typing import Any, Literal
 import msgspec
 
 LANES = ("orchestrator", "verify", "draft", "audit")
+# Everything a supervisor can run: the lanes and the HTTP gateway.
+COMPONENTS = (*LANES, "gateway")
 
 
 def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -30,8 +32,8 @@ class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Run(Section):
     dir: str = ""
     # Which processes this host's supervisor runs (multi-host: split them across hosts).
-    components: list[Literal["orchestrator", "verify", "draft", "audit"]] = msgspec.field(
-        default_factory=lambda: list(LANES)
+    components: list[Literal["orchestrator", "verify", "draft", "audit", "gateway"]] = msgspec.field(
+        default_factory=lambda: list(COMPONENTS)
     )
     heartbeat_seconds: float = 0.5
     batch_window_seconds: float = 0.004  # how long the verifier waits to batch requests
@@ -107,6 +109,26 @@ class Audit(Section):
             raise ValueError("audit.max_age_days and max_requests must be >= 0, prune_seconds > 0")
 
 
+class Gateway(Section):
+    """The OpenAI-compatible HTTP API (pipeline/gateway.py), a client of the orchestrator."""
+
+    enabled: bool = True  # false: not started even when run.components lists it
+    host: str = "127.0.0.1"  # loopback: the API has no authentication
+    port: int = 8000
+    model: str = ""  # the model id clients name; "" means the target GGUF's file name without .gguf
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"gateway.port must be 1..65535, got {self.port}")
+
+
+class TelemetrySection(Section):
+    """Where the default OTLP/JSON file export goes. Which exporters run, and where an
+    OTLP collector is, follow the standard OTEL_* variables (see pipeline/telemetry.py)."""
+
+    dir: str = "{run_dir}/telemetry"
+
+
 class Config(Section):
     run: Run = msgspec.field(default_factory=Run)
     model: ModelSection = msgspec.field(default_factory=ModelSection)
@@ -116,9 +138,23 @@ class Config(Section):
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     restart: Restart = msgspec.field(default_factory=Restart)
     audit: Audit = msgspec.field(default_factory=Audit)
+    gateway: Gateway = msgspec.field(default_factory=Gateway)
+    telemetry: TelemetrySection = msgspec.field(default_factory=TelemetrySection)
 
     def bind(self, name: str) -> str:
         return getattr(self.listen, name) or getattr(self.addresses, name)
+
+    def model_id(self) -> str:
+        """The served model's name (gen_ai.request.model, the HTTP API's model id)."""
+        if self.gateway.model:
+            return self.gateway.model
+        from .model.default import DEFAULT_MODEL_FILE  # light: no numpy, no model
+
+        return Path(self.model.path or DEFAULT_MODEL_FILE).name.removesuffix(".gguf")
+
+    def processes(self) -> list[str]:
+        """What this host's supervisor starts: run.components, less a disabled gateway."""
+        return [c for c in self.run.components if c != "gateway" or self.gateway.enabled]
 
 
 class ConfigError(ValueError):

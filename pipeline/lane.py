@@ -3,6 +3,8 @@ control lane, and the entry point `python -m lanes.<name> CONFIG.json [--lifelin
 
 The lifeline is the supervisor's end of a pipe on our stdin: when it closes (the
 supervisor exited or was killed) we exit too, so a killed supervisor leaves no orphans.
+SIGTERM (the supervisor's stop) and a closed lifeline both end the process through the
+same path, which flushes its telemetry: only a lane killed outright loses spans.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -20,26 +23,35 @@ import trio
 
 from .config import Config
 from .messages import Fault, FaultKind, Heartbeat, SpeculativeState
+from .telemetry import Telemetry
 from .transport import Outbox
 
 log = logging.getLogger(__name__)
 
 
 class LaneContext:
-    def __init__(self, name: str, config: Config) -> None:
+    def __init__(self, name: str, config: Config, telemetry: Telemetry | None = None) -> None:
         self.name, self.config, self.pid = name, config, os.getpid()
         self.state = SpeculativeState()
         self.control = Outbox(config.addresses.control)
+        self.telemetry = telemetry or Telemetry.configure(name, config.telemetry.dir, run_id(config))
 
     def fault(
-        self, kind: FaultKind, message: str, request_id: str | None = None, step: int | None = None
+        self,
+        kind: FaultKind,
+        message: str,
+        request_id: str | None = None,
+        step: int | None = None,
+        trace: dict[str, str] | None = None,
     ) -> None:
-        """Report on the control lane without waiting: a fault report must never stall a lane."""
+        """Report on the control lane without waiting: a fault report must never stall a lane.
+        The fault also goes into the request's trace (`trace`) or, with none, a trace of its own."""
         log.warning("%s fault %s: %s", self.name, kind, message)
         fault = Fault(
             kind=kind, lane=self.name, message=message, request_id=request_id, step=step, time=time.time()
         )
         self.control.put_nowait(fault)
+        self.telemetry.fault(trace, kind, self.name, message, request_id=request_id, step=step)
 
     def heartbeat(self) -> None:
         self.control.put_nowait(Heartbeat(lane=self.name, pid=self.pid, state=self.state))
@@ -58,6 +70,19 @@ async def _watch_lifeline(cancel: trio.CancelScope) -> None:
     cancel.cancel()
 
 
+def run_id(config: Config) -> str:
+    """What ties the processes of one pipeline together in telemetry: its run directory."""
+    return config.run.dir
+
+
+async def _watch_signals(cancel: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("%s: exiting", signal.Signals(signum).name)
+            cancel.cancel()
+            return
+
+
 def load_resolved(path: str) -> Config:
     return msgspec.json.decode(Path(path).read_bytes(), type=Config)
 
@@ -72,13 +97,19 @@ def lane_main(name: str, serve: Callable[[LaneContext], Awaitable[None]]) -> Non
     )
     config = load_resolved(args.config)
 
+    telemetry = Telemetry.configure(name, config.telemetry.dir, run_id(config))
+
     async def run() -> None:
-        lane = LaneContext(name, config)
+        lane = LaneContext(name, config, telemetry)
         async with trio.open_nursery() as nursery:
             if args.lifeline:
                 nursery.start_soon(_watch_lifeline, nursery.cancel_scope)
+            nursery.start_soon(_watch_signals, nursery.cancel_scope)
             nursery.start_soon(lane.beat)
             await serve(lane)
             nursery.cancel_scope.cancel()
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    finally:
+        telemetry.shutdown()

@@ -35,7 +35,7 @@ FaultKind = Literal[
     "bad_request",
     "unknown_request",
 ]
-LaneName = Literal["orchestrator", "verify", "draft", "audit"]
+LaneName = Literal["orchestrator", "verify", "draft", "audit", "gateway"]
 
 
 class BadMessage(ValueError):
@@ -164,6 +164,7 @@ class AuditEvent(Message, frozen=True, kw_only=True):
     event_id: str
     request_id: str
     time: float
+    trace: dict[str, str] = {}  # the request's trace context: the audit lane's spans join it
 
 
 class RequestOpened(AuditEvent, frozen=True, kw_only=True):
@@ -273,6 +274,7 @@ class Submit(Message, frozen=True, kw_only=True):
     drafter: str | None = None  # None: the configured default
     k: int | None = None  # None: the configured policy
     max_iterations: int | None = None
+    trace: dict[str, str] = {}  # the caller's W3C trace context: the request's trace joins it
 
 
 class Poll(Message, frozen=True, kw_only=True):

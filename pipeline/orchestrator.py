@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import pynng
 import trio
+from opentelemetry.trace import Span, SpanKind
 
 from .config import Config
 from .drafters.registry import DRAFTERS
@@ -65,11 +66,13 @@ from .messages import (
     Verify,
     encode,
 )
+from .metrics import PipelineMetrics
 from .model.default import default_model_path
 from .model.store import load_prepared
 from .prompts import prompt_tokens
 from .sampling import make_rng
 from .speculative import Session
+from .telemetry import carrier, fail
 from .tokenizer import Tokenizer
 from .transport import Inbox, Outbox, listen
 
@@ -137,6 +140,8 @@ class Request:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     step: int = 0  # the last completed step
     draws: int = 0  # uniforms the verifier has spent for this request
+    span: Span | None = None  # the request's root span; every lane's spans hang under it
+    trace: dict[str, str] = field(default_factory=dict)  # its W3C context, carried by every message
 
     def push(self, text: str, tokens: list[int]) -> None:
         if text or tokens:
@@ -152,6 +157,8 @@ class Orchestrator:
     def __init__(self, config: Config, tokenizer: Tokenizer, context_length: int, lane: LaneContext) -> None:
         self.config, self.tokenizer, self.context_length, self.lane = config, tokenizer, context_length, lane
         self.lanes = {name: LaneView(name) for name in ("verify", "draft", "audit", "orchestrator")}
+        if "gateway" in config.processes():  # started next to us: readiness waits for it too
+            self.lanes["gateway"] = LaneView("gateway")
         self.requests: dict[str, Request] = {}
         self.waiters: dict[tuple[str, str, int], Slot] = {}
         self.outbox: dict[str, tuple[bytes, float]] = {}  # audit events not yet acknowledged
@@ -161,6 +168,10 @@ class Orchestrator:
         self.draft_out = Outbox(config.addresses.draft)
         self.audit_out = Outbox(config.addresses.audit)
         self.nursery: trio.Nursery | None = None
+        self.telemetry = lane.telemetry
+        self.model_id = config.model_id()
+        self.metrics = PipelineMetrics(lane.telemetry.meter, self.model_id)
+        self.restart_spans: dict[str, list[Span]] = {}  # per lane: active requests waiting out its restart
 
     # --- faults and the audit outbox --------------------------------------------------
 
@@ -172,10 +183,27 @@ class Orchestrator:
         )
 
     def raise_fault(self, kind: FaultKind, lane: str, message: str, request_id: str | None = None) -> None:
+        """A fault seen here: to the status list, the audit trail, the metrics, and the trace of
+        every request it concerns (a lane going down concerns all running ones)."""
         log.warning("fault %s on %s: %s", kind, lane, message)
         self.fault(Fault(kind=kind, lane=lane, message=message, request_id=request_id, time=time.time()))
+        self.metrics.fault(kind, lane)
+        if request_id is not None:
+            concerned = [self.requests[request_id]] if request_id in self.requests else []
+        else:
+            concerned = self.running() if kind == "lane_down" else []
+        for req in concerned:
+            self.telemetry.fault(req.span, kind, lane, message, request_id=req.id, step=req.step)
+        if not concerned:
+            self.telemetry.fault(None, kind, lane, message, request_id=request_id)
+
+    def running(self) -> list[Request]:
+        return [req for req in self.requests.values() if req.done is None]
 
     def audit(self, event: AuditEvent) -> None:
+        req = self.requests.get(event.request_id)
+        if req is not None and not event.trace:
+            event = msgspec.structs.replace(event, trace=req.trace)  # the audit lane's span joins the trace
         data = encode(event)
         sent = self.audit_out.put_nowait(event) if self.lanes["audit"].state == "up" else False
         self.outbox[event.event_id] = (data, time.monotonic() if sent else -math.inf)
@@ -256,7 +284,7 @@ class Orchestrator:
             req,
             Open(
                 request_id=req.id, step=req.step, tokens=session.context[:-1], params=session.params,
-                seed=req.seed, draws=req.draws, sample=False, capacity=session.capacity(),
+                seed=req.seed, draws=req.draws, sample=False, capacity=session.capacity(), trace=req.trace,
             ),
         )  # fmt: skip
 
@@ -268,7 +296,7 @@ class Orchestrator:
         session = req.session
         msg = DraftRequest(
             request_id=req.id, step=step, drafter=req.drafter, params=session.params, seed=req.seed,
-            prompt_length=len(session.prompt_tokens), context=session.context, k=k,
+            prompt_length=len(session.prompt_tokens), context=session.context, k=k, trace=req.trace,
         )  # fmt: skip
         key = (req.id, "draft", step)
         slot = self.expect(key, "draft")
@@ -293,14 +321,17 @@ class Orchestrator:
         prefill_seconds = 0.0
         try:
             with req.scope:
+                with self.telemetry.span("queue", req.span):  # until a verify lane is up
+                    await self.lanes["verify"].up.wait()
                 opened = await self.call_verify(
                     req,
                     Open(
                         request_id=req.id, step=0, tokens=session.prompt_tokens, params=session.params,
-                        seed=req.seed, capacity=session.capacity(),
+                        seed=req.seed, capacity=session.capacity(), trace=req.trace,
                     ),
                 )  # fmt: skip
                 prefill_seconds = time.perf_counter() - started
+                self.metrics.first_token(time.time() - req.submitted)
                 assert isinstance(opened, Opened) and opened.token is not None
                 req.draws = opened.draws
                 self.emit(req, session.start(opened.token), 0)
@@ -357,6 +388,7 @@ class Orchestrator:
             Verify(
                 request_id=req.id, step=step, position=len(session.context) - 1,
                 pending=session.context[-1], drafts=drafts, draft_probs=rows if drafts else None,
+                trace=req.trace,
             ),
         )  # fmt: skip
         assert isinstance(verified, Verified)
@@ -366,6 +398,7 @@ class Orchestrator:
         req.step, req.draws = step, verified.draws
         self.emit(req, text, before)
         drafter = proposal.drafter if proposal else ""
+        self.metrics.step(drafter, len(drafts), verified.accepted, draft_seconds, verify_seconds)
         self.audit_step(req, step, drafter, want, drafts, None, verified)
 
     def emit(self, req: Request, text: str, before: int) -> None:
@@ -396,6 +429,7 @@ class Orchestrator:
     def finish(self, req: Request, done: dict[str, Any]) -> None:
         req.done, req.finished_at = done, time.monotonic()
         req.notify()
+        self.end_trace(req, done)
 
     def summarise(self, req: Request, done: dict[str, Any]) -> None:
         stats = req.session.stats
@@ -460,6 +494,7 @@ class Orchestrator:
         )  # fmt: skip
         req = Request(uuid.uuid4().hex, session, seed, drafter, time.time())
         self.requests[req.id] = req
+        self.start_trace(req, msg, k)
         settings = {
             "params": msgspec.to_builtins(msg.params), "drafter": drafter, "k": k, "seed": seed,
             "model": self.config.model.path, "draft_model": self.config.model.draft_path,  # "": the default
@@ -476,6 +511,53 @@ class Orchestrator:
         assert self.nursery is not None
         self.nursery.start_soon(self.drive, req)
         return Submitted(request_id=req.id, prompt_tokens=len(tokens))
+
+    def start_trace(self, req: Request, msg: Submit, k: int | None) -> None:
+        """The request's root span (under the caller's, if it sent one), in GenAI conventions."""
+        params, operation = msg.params, "chat" if msg.chat or msg.messages is not None else "text_completion"
+        attributes = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": "speclanes",
+            "gen_ai.request.model": self.model_id,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.top_k": params.top_k,
+            "gen_ai.request.seed": req.seed,
+            "gen_ai.usage.input_tokens": len(req.session.prompt_tokens),
+            "gen_ai.response.id": req.id,
+            "speclanes.request_id": req.id,
+            "speclanes.drafter": req.drafter,
+            "speclanes.k": "auto" if k is None else str(k),
+        }
+        if params.stop:
+            attributes["gen_ai.request.stop_sequences"] = list(params.stop)
+        name = f"{operation} {self.model_id}"
+        req.span = self.telemetry.start(name, msg.trace, attributes, kind=SpanKind.SERVER)
+        req.trace = carrier(req.span)
+        self.metrics.admitted(len(req.session.prompt_tokens))
+
+    def end_trace(self, req: Request, done: dict[str, Any]) -> None:
+        span, reason = req.span, done.get("finish_reason", "")
+        seconds = time.time() - req.submitted
+        self.metrics.finished(len(req.session.out.tokens), seconds, reason)
+        if span is None:
+            return
+        stats = req.session.stats
+        span.set_attributes(
+            {
+                "gen_ai.usage.output_tokens": len(req.session.out.tokens),
+                "gen_ai.response.finish_reasons": [reason],
+                "speclanes.steps": stats.steps,
+                "speclanes.drafted": stats.drafted,
+                "speclanes.accepted": stats.accepted,
+                "speclanes.acceptance": stats.accepted / stats.drafted if stats.drafted else 0.0,
+                "speclanes.mean_accepted_length": (stats.accepted + stats.steps) / max(stats.steps, 1),
+            }
+        )
+        if "error" in done:
+            fail(span, f"{done['error']['kind']}: {done['error']['message']}")
+        span.end()
 
     async def poll(self, msg: Poll) -> Chunks | ErrorReply:
         req = self.requests.get(msg.request_id)
@@ -573,6 +655,8 @@ class Orchestrator:
 
     async def receive_control(self, inbox: Inbox) -> None:
         async for msg in inbox:
+            if isinstance(msg, LaneUp | LaneDown | Heartbeat) and msg.lane == "gateway":
+                self.lanes.setdefault("gateway", LaneView("gateway"))  # one started on another host
             if isinstance(msg, BadMessage):
                 self.raise_fault("bad_request", "orchestrator", f"control inbox: {msg}")
             elif isinstance(msg, Fault):
@@ -592,6 +676,8 @@ class Orchestrator:
                 lane.state, lane.pid, lane.totals, lane.last_beat = "up", msg.pid, msg.state, time.monotonic()
                 lane.up.set()
                 self.snapshot(lane)
+                if came_up:
+                    self.lane_back(lane)
                 if came_up and msg.lane == "audit":
                     self.outbox = {k: (data, -math.inf) for k, (data, _) in self.outbox.items()}
 
@@ -603,6 +689,18 @@ class Orchestrator:
         for slot in list(self.waiters.values()):
             if slot.lane == msg.lane:
                 slot.resolve(LANE_DOWN)
+        attributes = {
+            "speclanes.lane": msg.lane, "speclanes.lane.pid": msg.pid, "speclanes.lane.restarts": msg.restarts
+        }  # fmt: skip
+        waiting = self.restart_spans.setdefault(msg.lane, [])
+        for req in self.running():  # each running request's trace shows the restart it lived through
+            waiting.append(self.telemetry.start(f"lane restart {msg.lane}", req.span, attributes))
+
+    def lane_back(self, lane: LaneView) -> None:
+        """A lane reports in again: close the restart spans of the requests that saw it go."""
+        for span in self.restart_spans.pop(lane.name, []):
+            span.set_attribute("speclanes.lane.new_pid", lane.pid or 0)
+            span.end()
 
     async def run(self) -> None:
         config = self.config

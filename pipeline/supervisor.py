@@ -20,11 +20,14 @@ from pathlib import Path
 
 import msgspec
 import trio
+from opentelemetry.trace import Span
 
 from .config import Config
+from .lane import run_id
 from .messages import Fault, LaneDown, LaneUp, Shutdown
 from .model.default import default_model_path
 from .model.store import load_prepared
+from .telemetry import Telemetry
 from .transport import Outbox
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ MODULES = {
     "verify": "lanes.verify",
     "draft": "lanes.draft",
     "audit": "lanes.audit",
+    "gateway": "pipeline.gateway",
 }
 
 
@@ -47,6 +51,10 @@ class Supervisor:
         self.run_dir = Path(config.run.dir)
         self.children: dict[str, trio.Process] = {}
         self.control = Outbox(config.addresses.control)
+        self.telemetry = Telemetry.configure("supervisor", config.telemetry.dir, run_id(config))
+        self.restarts = self.telemetry.meter.create_counter(
+            "speclanes.lane.restarts", "{restart}", "Processes the supervisor restarted after they died"
+        )
 
     def announce(self, message: LaneUp | LaneDown | Fault | Shutdown) -> None:
         if not self.control.put_nowait(message):
@@ -55,6 +63,7 @@ class Supervisor:
     async def keep_running(self, name: str, config_path: Path) -> None:
         restart = self.config.restart
         backoff, restarts = restart.initial_backoff, 0
+        restart_span: Span | None = None  # from a death until the replacement has started
         log_file = (self.run_dir / f"{name}.log").open("ab")
         command = [sys.executable, "-m", MODULES[name], str(config_path), "--lifeline"]
         while True:
@@ -65,10 +74,22 @@ class Supervisor:
             started = time.monotonic()
             log.info("%s started (pid %d, restarts %d)", name, proc.pid, restarts)
             self.announce(LaneUp(lane=name, pid=proc.pid, restarts=restarts))
+            if restart_span is not None:
+                restart_span.set_attribute("speclanes.lane.new_pid", proc.pid)
+                restart_span.end()
             await proc.wait()
             restarts += 1
             log.warning("%s (pid %d) exited with %s; restart %d", name, proc.pid, proc.returncode, restarts)
             self.announce(LaneDown(lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts))
+            self.restarts.add(1, {"speclanes.lane": name})
+            restart_span = self.telemetry.start(
+                f"lane restart {name}",
+                attributes={
+                    "speclanes.lane": name, "speclanes.lane.pid": proc.pid,
+                    "speclanes.lane.returncode": proc.returncode or 0, "speclanes.lane.restarts": restarts,
+                    "speclanes.lane.backoff_seconds": backoff,
+                },
+            )  # fmt: skip
             if time.monotonic() - started > restart.reset_after:
                 backoff = restart.initial_backoff
             await trio.sleep(backoff)
@@ -101,7 +122,7 @@ class Supervisor:
         try:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async with trio.open_nursery() as nursery:
-                    for name in self.config.run.components:
+                    for name in self.config.processes():
                         nursery.start_soon(self.keep_running, name, config_path)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
@@ -111,6 +132,7 @@ class Supervisor:
         finally:
             with trio.CancelScope(shield=True):
                 await self.stop_children()
+            self.telemetry.shutdown()
             pid_file(self.config).unlink(missing_ok=True)
 
 

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import msgspec
 import pytest
 
-from pipeline.config import LANES, Config, ConfigError, default_run_dir, load_config
+from pipeline.config import COMPONENTS, Config, ConfigError, default_run_dir, load_config
 
 OPS = Path(__file__).resolve().parent.parent / "ops"
 NAMES = ("client", "control", "data", "verify", "draft", "audit")
@@ -37,7 +37,9 @@ def test_defaults_expand_the_run_dir():
     assert config.addresses.client == f"ipc://{run_dir}/client.ipc"
     assert config.audit.path == f"{run_dir}/audit.sqlite"
     assert not any("{run_dir}" in s for s in all_strings(msgspec.to_builtins(config)))
-    assert config.run.components == list(LANES)
+    assert config.run.components == list(COMPONENTS)
+    assert config.processes() == list(COMPONENTS)
+    assert (config.gateway.enabled, config.gateway.host) == (True, "127.0.0.1")
     assert config.speculation.k == "auto" and config.speculation.drafter == "auto"
 
 
@@ -140,6 +142,17 @@ def test_invalid_file_values_are_a_config_error(tmp_path, text, problem):
     assert str(path) in str(caught.value)
 
 
+def test_a_disabled_gateway_is_not_started_even_when_listed():
+    config = load_config(None, ["gateway.enabled=false"], environ={})
+    assert "gateway" in config.run.components and "gateway" not in config.processes()
+    assert load_config(None, ['run.components=["verify", "gateway"]'], environ={}).processes() == [
+        "verify",
+        "gateway",
+    ]
+    with pytest.raises(ConfigError, match="gateway.port must be 1..65535"):
+        load_config(None, ["gateway.port=0"], environ={})
+
+
 def test_invalid_toml_is_a_config_error(tmp_path):
     path = write(tmp_path, "[speculation\nk = \n")
     with pytest.raises(ConfigError, match="not valid TOML"):
@@ -194,9 +207,9 @@ def hosts() -> tuple[Config, Config]:
 
 def test_multihost_examples_split_the_components(hosts):
     a, b = hosts
-    assert a.run.components == ["orchestrator", "draft", "audit"]
+    assert a.run.components == ["orchestrator", "draft", "audit", "gateway"]
     assert b.run.components == ["verify"]
-    assert sorted(a.run.components + b.run.components) == sorted(LANES)
+    assert sorted(a.run.components + b.run.components) == sorted(COMPONENTS)
 
 
 def test_multihost_examples_dial_the_same_tcp_addresses(hosts):
@@ -218,6 +231,7 @@ def test_multihost_examples_bind_what_each_host_serves(hosts):
     b = hosts[1]
     served = {"orchestrator": ("client", "control", "data"), "draft": ("draft",), "audit": ("audit",)}
     served["verify"] = ("verify",)
+    served["gateway"] = ()  # HTTP on [gateway], no nng inbox
     for config in hosts:
         mine = {name for component in config.run.components for name in served[component]}
         for name in NAMES:

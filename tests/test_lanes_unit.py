@@ -33,6 +33,7 @@ from pipeline.model import Model
 from pipeline.sampling import SamplingParams
 from pipeline.speculative import decode, draft_rng
 
+from .telemetry_harness import MemoryTelemetry
 from .tinymodel import TinySpec, write_tiny_gguf
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -64,8 +65,16 @@ class FakeLane:
     def __init__(self) -> None:
         self.state = SpeculativeState()
         self.faults: list[tuple[str, str, str | None, int | None]] = []
+        self.telemetry = MemoryTelemetry()
 
-    def fault(self, kind: str, message: str, request_id: str | None = None, step: int | None = None) -> None:
+    def fault(
+        self,
+        kind: str,
+        message: str,
+        request_id: str | None = None,
+        step: int | None = None,
+        trace: dict[str, str] | None = None,
+    ) -> None:
         self.faults.append((kind, message, request_id, step))
 
 

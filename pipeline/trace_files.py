@@ -1,0 +1,102 @@
+"""Reading the default telemetry export back: OTLP/JSON lines, one file per process.
+
+Each line is parsed into the OTLP protobuf `TracesData`, so a line that is not valid
+OTLP/JSON fails loudly instead of being half-read. OTLP/JSON writes trace and span ids
+as hex, where protobuf's own JSON mapping expects base64; they are converted first.
+Lines cut short by a process killed while writing are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from google.protobuf import json_format
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Status, TracesData
+
+ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+class SpanRecord(msgspec.Struct, frozen=True):
+    service: str
+    trace_id: str
+    span_id: str
+    parent_id: str  # "" for a root
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    events: list[dict[str, Any]]
+    status: str  # UNSET | OK | ERROR
+    status_message: str
+
+
+def _ids_to_base64(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: base64.b64encode(bytes.fromhex(v)).decode() if k in ID_FIELDS and v else _ids_to_base64(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_ids_to_base64(v) for v in node]
+    return node
+
+
+def value(v: AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [value(item) for item in v.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: value(kv.value) for kv in v.kvlist_value.values}
+    return getattr(v, kind) if kind else None
+
+
+def parse_line(line: str) -> list[SpanRecord]:
+    data = json_format.ParseDict(_ids_to_base64(json.loads(line)), TracesData())
+    out = []
+    for resource_spans in data.resource_spans:
+        resource = {kv.key: value(kv.value) for kv in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                out.append(
+                    SpanRecord(
+                        service=str(resource.get("service.name", "")),
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_id=span.parent_span_id.hex(),
+                        name=span.name,
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
+                        attributes={kv.key: value(kv.value) for kv in span.attributes},
+                        events=[
+                            {"name": e.name, **{kv.key: value(kv.value) for kv in e.attributes}}
+                            for e in span.events
+                        ],
+                        status=Status.StatusCode.Name(span.status.code).removeprefix("STATUS_CODE_"),
+                        status_message=span.status.message,
+                    )
+                )
+    return out
+
+
+def read_spans(paths: Iterable[Path]) -> tuple[list[SpanRecord], int]:
+    """Every span in the files, and how many lines were unreadable (cut short)."""
+    spans, bad = [], 0
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                spans.extend(parse_line(line))
+            except (json.JSONDecodeError, json_format.ParseError):
+                bad += 1
+    return spans, bad
+
+
+def trace_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.traces.jsonl"))

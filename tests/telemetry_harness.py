@@ -1,0 +1,23 @@
+"""Telemetry that keeps every finished span in memory, for tests of what the code traces."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pipeline.telemetry import Telemetry
+
+
+class MemoryTelemetry(Telemetry):
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.reader = InMemoryMetricReader()
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        super().__init__(tracer_provider, MeterProvider(metric_readers=[self.reader]))
+
+    def spans(self, name: str | None = None) -> list[ReadableSpan]:
+        return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
