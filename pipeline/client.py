@@ -2,15 +2,20 @@
 decided. Chunks carry sequence numbers; reading is a long poll for "everything after
 seq N", so a client that lost its connection (or is a new process) resumes from the
 last chunk it saw and gets the rest exactly once.
+
+`Client` blocks; `AsyncClient` is the same protocol under trio (the HTTP gateway uses it):
+one socket, one Req0 context per call, so many requests share it concurrently. Both build
+their messages and read their replies with the same functions below.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pynng
+import trio
 
 from .messages import (
     Cancel,
@@ -36,18 +41,65 @@ class PipelineError(RuntimeError):
         self.kind, self.message = kind, message
 
 
+_codec: Codec[Any] = Codec(ClientReply)
+NETWORK_ERRORS = (pynng.Timeout, pynng.ConnectionReset, pynng.Closed)
+
+
+def _socket(address: str, timeout: float) -> pynng.Req0:
+    ms = int(timeout * 1000)
+    # resend_time=0: nng must never repeat a request on its own (a Submit is not idempotent).
+    sock = pynng.Req0(resend_time=0, recv_timeout=ms, send_timeout=ms, reconnect_time_min=100)
+    sock.dial(address, block=False)
+    return sock
+
+
+def _unwrap(data: bytes) -> Any:
+    reply = _codec.decode(data)
+    if isinstance(reply, ErrorReply):
+        raise PipelineError(reply.kind, reply.message)
+    return reply
+
+
+def _unavailable(address: str, exc: BaseException) -> PipelineError:
+    return PipelineError("unavailable", f"no answer from {address}: {str(exc) or type(exc).__name__}")
+
+
+def submit_message(
+    prompt: str | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    chat: bool = False,
+    params: SamplingParams | None = None,
+    drafter: str | None = None,
+    k: int | None = None,
+    max_iterations: int | None = None,
+) -> Submit:
+    return Submit(
+        prompt=prompt, messages=messages, chat=chat, params=params or SamplingParams(),
+        drafter=drafter, k=k, max_iterations=max_iterations,
+    )  # fmt: skip
+
+
+def continuation(reply: Chunks, after: int) -> tuple[list[Chunk], int, dict[str, Any] | None]:
+    """The chunks that follow `after` (repeats dropped), the new `after`, and the final object
+    once nothing before it is missing."""
+    fresh = []
+    for chunk in reply.chunks:
+        if chunk.seq == after + 1:
+            after = chunk.seq
+            fresh.append(chunk)
+    complete = reply.done is not None and (not reply.chunks or reply.chunks[-1].seq == after)
+    return fresh, after, reply.done if complete else None
+
+
 class Client:
     def __init__(self, address: str, timeout: float = 30.0) -> None:
         self.address, self.timeout = address, timeout
-        self.codec: Codec[Any] = Codec(ClientReply)
         self.sock: pynng.Req0 | None = None
 
     def _connect(self) -> pynng.Req0:
         if self.sock is None:
-            ms = int(self.timeout * 1000)
-            # resend_time=0: nng must never repeat a request on its own (a Submit is not idempotent).
-            self.sock = pynng.Req0(resend_time=0, recv_timeout=ms, send_timeout=ms, reconnect_time_min=100)
-            self.sock.dial(self.address, block=False)
+            self.sock = _socket(self.address, self.timeout)
         return self.sock
 
     def close(self) -> None:
@@ -68,44 +120,27 @@ class Client:
             sock = self._connect()
             try:
                 sock.send(encode(message))
-                reply = self.codec.decode(sock.recv())
+                data = sock.recv()
                 break
-            except (pynng.Timeout, pynng.ConnectionReset, pynng.Closed) as exc:
+            except NETWORK_ERRORS as exc:
                 self.close()
                 if not retry or time.monotonic() > deadline:
-                    raise PipelineError("unavailable", f"no answer from {self.address}: {exc}") from None
+                    raise _unavailable(self.address, exc) from None
                 time.sleep(0.1)
-        if isinstance(reply, ErrorReply):
-            raise PipelineError(reply.kind, reply.message)
-        return reply
+        return _unwrap(data)
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        chat: bool = False,
-        params: SamplingParams | None = None,
-        drafter: str | None = None,
-        k: int | None = None,
-        max_iterations: int | None = None,
-    ) -> Submitted:
-        submit = Submit(
-            prompt=prompt, messages=messages, chat=chat, params=params or SamplingParams(),
-            drafter=drafter, k=k, max_iterations=max_iterations,
-        )  # fmt: skip
-        return self.call(submit)
+    def submit(self, prompt: str | None = None, **kwargs: Any) -> Submitted:
+        """Keyword arguments as `submit_message` takes them."""
+        return self.call(submit_message(prompt, **kwargs))
 
     def chunks(self, request_id: str, after: int = -1, wait: float = 5.0) -> Iterator[Chunk | dict[str, Any]]:
         """Chunks after `after`, as they come, then the final object (a dict)."""
         while True:
             reply: Chunks = self.call(Poll(request_id=request_id, after=after, wait=wait), retry=True)
-            for chunk in reply.chunks:
-                if chunk.seq == after + 1:
-                    after = chunk.seq
-                    yield chunk
-            if reply.done is not None and (not reply.chunks or reply.chunks[-1].seq == after):
-                yield reply.done
+            fresh, after, done = continuation(reply, after)
+            yield from fresh
+            if done is not None:
+                yield done
                 return
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -124,15 +159,72 @@ class Client:
     def wait_ready(self, timeout: float = 60.0) -> StatusReport:
         """Until every lane this pipeline runs reports in (the orchestrator answering is not enough)."""
         deadline = time.monotonic() + timeout
-        last: Exception | None = None
+        last: Exception | str | None = None
         while time.monotonic() < deadline:
             try:
                 report = self.status()
                 if all(lane.state == "up" for lane in report.lanes):
                     return report
+                last = "not up: " + ", ".join(f"{x.name} {x.state}" for x in report.lanes if x.state != "up")
             except PipelineError as exc:
                 last = exc
             time.sleep(0.2)
         raise PipelineError(
             "unavailable", f"the pipeline at {self.address} is not ready after {timeout:.0f} s ({last})"
         )
+
+
+class AsyncClient:
+    """`Client` under trio: every call opens its own Req0 context on one shared socket, so
+    concurrent streams do not queue behind each other's long polls. Calls are bounded by
+    trio timeouts (pynng's async calls ignore nng's) and honour trio cancellation."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        self.address, self.timeout = address, timeout
+        self.sock = _socket(address, timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    async def call(self, message: Message, *, retry: bool = False, timeout: float | None = None) -> Any:
+        """One request/reply; with `retry` (idempotent calls only) repeat until the timeout."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = trio.current_time() + timeout
+        data = encode(message)
+        while True:
+            ctx = self.sock.new_context()
+            try:
+                with trio.fail_after(max(deadline - trio.current_time(), 0.0)):
+                    await ctx.asend(data)
+                    reply = await ctx.arecv()
+                return _unwrap(reply)
+            except (*NETWORK_ERRORS, trio.TooSlowError) as exc:
+                if not retry or trio.current_time() >= deadline:
+                    raise _unavailable(self.address, exc) from None
+            finally:
+                ctx.close()
+            await trio.sleep(0.1)
+
+    async def submit(self, prompt: str | None = None, **kwargs: Any) -> Submitted:
+        """Keyword arguments as `submit_message` takes them."""
+        return await self.call(submit_message(prompt, **kwargs))
+
+    async def chunks(
+        self, request_id: str, after: int = -1, wait: float = 5.0
+    ) -> AsyncIterator[Chunk | dict[str, Any]]:
+        """Chunks after `after`, as they come, then the final object (a dict)."""
+        while True:
+            poll = Poll(request_id=request_id, after=after, wait=wait)
+            reply: Chunks = await self.call(poll, retry=True, timeout=self.timeout + wait)
+            fresh, after, done = continuation(reply, after)
+            for chunk in fresh:
+                yield chunk
+            if done is not None:
+                yield done
+                return
+
+    async def cancel(self, request_id: str) -> None:
+        await self.call(Cancel(request_id=request_id), retry=True)
+
+    async def status(self, timeout: float | None = None) -> StatusReport:
+        return await self.call(StatusQuery(), retry=True, timeout=timeout)

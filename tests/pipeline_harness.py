@@ -1,10 +1,12 @@
-"""Start a real pipeline (supervisor and its four processes) in a private run directory."""
+"""Start a real pipeline (supervisor, its four lanes and the HTTP gateway) in a private run
+directory, with the gateway on a free loopback port so pipelines never share one."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,18 +21,25 @@ from pipeline.config import Config, load_config
 from pipeline.messages import StatusReport
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Pipeline:
-    def __init__(self, run_dir: Path, settings: list[str]) -> None:
-        self.run_dir = run_dir
-        self.settings = [f"run.dir={run_dir}", *settings]
+    def __init__(self, run_dir: Path, settings: list[str], env: dict[str, str] | None = None) -> None:
+        self.run_dir, self.env = run_dir, {**os.environ, **(env or {})}
+        self.settings = [f"run.dir={run_dir}", f"gateway.port={free_port()}", *settings]
         self.config: Config = load_config(None, self.settings, environ={})
+        self.gateway_url = f"http://{self.config.gateway.host}:{self.config.gateway.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 90.0) -> None:
         command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in self.settings)]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / "supervisor.log").open("ab")
-        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env)
         self.client(timeout=2.0).wait_ready(timeout)
 
     def client(self, timeout: float = 30.0) -> Client:

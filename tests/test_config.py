@@ -149,7 +149,7 @@ def test_a_disabled_gateway_is_not_started_even_when_listed():
         "verify",
         "gateway",
     ]
-    with pytest.raises(ConfigError, match="gateway.port must be 1..65535"):
+    with pytest.raises(ConfigError, match=r"gateway\.port must be 1\.\.65535"):
         load_config(None, ["gateway.port=0"], environ={})
 
 

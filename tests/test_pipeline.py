@@ -41,7 +41,7 @@ from pipeline.prompts import prompt_tokens
 from pipeline.sampling import SamplingParams
 from pipeline.speculative import decode
 
-from .pipeline_harness import Pipeline, alive, running_pipeline
+from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -418,7 +418,9 @@ def test_the_readme_commands_start_stream_status_stop(tmp_path) -> None:
     """start --detach; stream --json (the generate --json object plus request_id); status --json; stop."""
     import json
 
+    # The gateway's own port: 8000 may be taken on this machine (another pipeline, another server).
     env = {**os.environ, "SPECLANES_RUN_DIR": str(tmp_path / "run")}
+    env["SPECLANES_GATEWAY_PORT"] = str(free_port())
 
     def speclanes(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "pipeline.cli", *args]
@@ -442,7 +444,7 @@ def test_the_readme_commands_start_stream_status_stop(tmp_path) -> None:
         assert plain.stdout == want["text"] + "\n"
         status = json.loads(speclanes("status", "--json").stdout)
         assert {lane["name"]: lane["state"] for lane in status["lanes"]} == dict.fromkeys(
-            ("verify", "draft", "audit", "orchestrator"), "up"
+            ("verify", "draft", "audit", "orchestrator", "gateway"), "up"
         )
         assert status["totals"]["runs"] == 2 and status["active_requests"] == 0
         bad = speclanes("stream", "--temperature", "-1", "hi")

@@ -1,0 +1,395 @@
+"""The HTTP gateway as clients use it: the official `openai` package and curl against a real
+pipeline (one shared by the module's tests), compared with in-process decoding; errors and
+their statuses; a client that leaves mid-request. The first tests need no model: a gateway
+alone, with no orchestrator behind it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+
+from pipeline.client import Client
+from pipeline.config import load_config
+from pipeline.drafters.registry import make_draft_source
+from pipeline.prompts import prompt_tokens
+from pipeline.sampling import SamplingParams
+from pipeline.speculative import Completion, decode
+
+from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
+
+CODE = "Write a Python function that reverses a string, then explain it."
+PROMPTS = [
+    CODE,
+    "Tell me a long story about a lighthouse keeper and a storm.",
+    "List five uses of a paperclip.",
+    "What is the capital of France? Explain its history.",
+]
+CURL_SCRIPT = Path(__file__).with_name("gateway_curl.sh")
+
+
+def fetch_json(url: str, body: bytes | None = None, timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
+    """Status and JSON body of one request (POST when there is a body)."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def assert_error(body: dict[str, Any], **expected: Any) -> None:
+    """The OpenAI error shape, with the fields a test cares about."""
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    for key, value in expected.items():
+        assert error[key] == value, (key, error)
+
+
+# --- a gateway with nothing behind it (no model needed) -------------------------------
+
+
+@pytest.fixture
+def lone_gateway(tmp_path: Path) -> Iterator[str]:
+    """A gateway process whose orchestrator address has nobody listening."""
+    port = free_port()
+    config = load_config(None, [f"run.dir={tmp_path}", f"gateway.port={port}"], environ={})
+    path = tmp_path / "config.json"
+    path.write_bytes(msgspec.json.encode(config))
+    log = (tmp_path / "gateway.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.gateway", str(path)], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "gateway.log"
+                ).read_text()
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_without_an_orchestrator_requests_get_503_but_bad_ones_still_get_400_and_404(lone_gateway: str):
+    status, body = fetch_json(f"{lone_gateway}/health")
+    assert status == 503 and body["status"] == "unavailable" and "orchestrator" in body["reason"]
+    started = time.monotonic()
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, body = fetch_json(f"{lone_gateway}/v1/chat/completions", json.dumps(request).encode())
+    assert status == 503 and time.monotonic() - started < 10
+    assert_error(body, type="server_error", code="pipeline_unavailable")
+    # Checked before the pipeline is asked: these do not depend on it.
+    status, body = fetch_json(f"{lone_gateway}/v1/completions", b'{"prompt": ')
+    assert status == 400
+    assert_error(body, type="invalid_request_error", code="invalid_json")
+    status, body = fetch_json(
+        f"{lone_gateway}/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}).encode()
+    )
+    assert status == 404
+    assert_error(body, param="model", code="model_not_found")
+    status, body = fetch_json(f"{lone_gateway}/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
+    status, body = fetch_json(f"{lone_gateway}/v2/nothing")
+    assert status == 404
+    assert_error(body, code="not_found")
+
+
+def test_a_taken_port_is_reported_in_one_line(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = load_config(None, [f"run.dir={tmp_path}", f"gateway.port={port}"], environ={})
+        path = tmp_path / "config.json"
+        path.write_bytes(msgspec.json.encode(config))
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeline.gateway", str(path)], capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode != 0
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in done.stderr and "Address already in use" in done.stderr
+
+
+# --- a real pipeline ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
+    # timeouts.client_idle stays at its 30 s: a request freed sooner was cancelled by the gateway.
+    settings = ["restart.initial_backoff=0.1", "timeouts.draft=5.0"]
+    with running_pipeline(tmp_path_factory.mktemp("gateway"), settings) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def client(pipeline: Pipeline) -> openai.OpenAI:
+    # No retries: a status must reach the test as the gateway sent it.
+    return openai.OpenAI(base_url=f"{pipeline.gateway_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(pipeline: Pipeline) -> str:
+    return pipeline.config.model_id()
+
+
+_references: dict[tuple[str, bool, int], tuple[Completion, int]] = {}
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """`speclanes generate` in-process (drafter none, greedy): the text and the prompt length."""
+
+    def run(prompt: str, chat: bool = True, max_tokens: int = 32) -> tuple[Completion, int]:
+        key = (prompt, chat, max_tokens)
+        if key not in _references:
+            tokens = prompt_tokens(smollm2.tokenizer, prompt, chat=chat)
+            params = SamplingParams(max_tokens=max_tokens)
+            source = make_draft_source("none", smollm2, None)
+            _references[key] = (decode(smollm2, tokens, params, source, k=0), len(tokens))
+        return _references[key]
+
+    return run
+
+
+def stream_chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, **extra: Any):
+    """Text, closing chunk and usage chunk of one greedy streamed chat request."""
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body=extra,
+    )  # fmt: skip
+    text, closing, usage_chunk = [], None, None
+    for chunk in stream:
+        if not chunk.choices:
+            usage_chunk = chunk
+            continue
+        text.append(chunk.choices[0].delta.content or "")
+        if chunk.choices[0].finish_reason is not None:
+            closing = chunk
+    return "".join(text), closing, usage_chunk
+
+
+@pytest.mark.slow
+def test_openai_streaming_chat_equals_generate(pipeline, client, model, reference):
+    ref, n_prompt = reference(CODE, max_tokens=40)
+    text, closing, usage_chunk = stream_chat(
+        client, model, CODE, 40, speculation={"drafter": "ngram", "k": 4}
+    )
+    assert text == ref.text
+    assert closing is not None and closing.choices[0].finish_reason == ref.finish_reason
+    assert closing.usage is not None and usage_chunk is not None and usage_chunk.usage == closing.usage
+    assert (closing.usage.prompt_tokens, closing.usage.completion_tokens) == (n_prompt, len(ref.tokens))
+    speculation = closing.model_extra["speculation"]
+    assert speculation["drafter"] == "ngram" and speculation["steps"] >= 1
+    assert closing.id == f"chatcmpl-{speculation['request_id']}"
+    with Client(pipeline.config.addresses.client) as pipe:  # the same request, as the pipeline kept it
+        *_, done = pipe.chunks(speculation["request_id"], after=10**6)
+    assert done["tokens"] == ref.tokens
+
+
+@pytest.mark.slow
+def test_openai_non_streaming_chat_and_text_completions_equal_generate(client, model, reference):
+    ref, n_prompt = reference(PROMPTS[2], max_tokens=24)
+    response = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": PROMPTS[2]}],
+        max_completion_tokens=24,
+        temperature=0,
+    )
+    assert response.choices[0].message.content == ref.text
+    assert response.choices[0].finish_reason == ref.finish_reason
+    assert response.usage is not None and response.usage.prompt_tokens == n_prompt
+    assert response.usage.completion_tokens == len(ref.tokens)
+    assert response.model_extra["speculation"]["drafter"] == "auto"  # the pipeline's default
+
+    raw = "def reverse(text):\n    "
+    ref, n_prompt = reference(raw, chat=False, max_tokens=16)
+    whole = client.completions.create(model=model, prompt=raw, max_tokens=16, temperature=0)
+    assert whole.choices[0].text == ref.text and whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (n_prompt, len(ref.tokens))
+    pieces = client.completions.create(
+        model=model,
+        prompt=raw,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body={"speculation": {"k": 0}},
+    )
+    chunks = list(pieces)
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert chunks[-1].model_extra["speculation"]["steps"] == len(ref.tokens) - 1  # k = 0: one token a step
+
+
+@pytest.mark.slow
+def test_curl_streams_server_sent_events(pipeline, model, reference, tmp_path):
+    ref, _ = reference(PROMPTS[3], max_tokens=24)
+    body = tmp_path / "body.json"
+    request = {
+        "model": model, "messages": [{"role": "user", "content": PROMPTS[3]}],
+        "max_tokens": 24, "temperature": 0, "stream": True, "speculation": {"drafter": "ngram"},
+    }  # fmt: skip
+    body.write_text(json.dumps(request))
+    done = subprocess.run(
+        ["bash", str(CURL_SCRIPT), pipeline.gateway_url, str(body)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "health 200" and lines[-2:] == ["malformed 400", "unknown-model 404"]
+    events = [line.removeprefix("data: ") for line in lines[1:-2] if line]
+    assert all(line.startswith("data: ") for line in lines[1:-2] if line)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == ref.text
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason and "usage" in chunks[-1]
+
+
+@pytest.mark.slow
+def test_eight_concurrent_streaming_clients_each_get_their_own_correct_output(pipeline, model, reference):
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            client = openai.OpenAI(
+                base_url=f"{pipeline.gateway_url}/v1", api_key="-", max_retries=0, timeout=300
+            )
+            results[i] = stream_chat(client, model, PROMPTS[i % 4], 24, speculation={"drafter": "ngram"})[0]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors and len(results) == 8
+    for i, text in results.items():
+        assert text == reference(PROMPTS[i % 4], max_tokens=24)[0].text, i
+    pipeline.wait_until(lambda r: r.active_requests == 0, what="every request finished")
+
+
+@pytest.mark.slow
+def test_models_health_and_status(pipeline, client, model):
+    assert [m.id for m in client.models.list()] == [model] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert client.models.retrieve(model).owned_by == "speclanes"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    assert fetch_json(f"{pipeline.gateway_url}/health") == (200, {"status": "ok", "model": model})
+    gateway = pipeline.lane("gateway")
+    assert gateway.state == "up" and gateway.pid is not None and alive(gateway.pid)
+
+
+@pytest.mark.slow
+def test_error_statuses_through_the_openai_client(pipeline, client, model):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+    assert caught.value.status_code == 404 and caught.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=messages, n=2)
+    assert bad.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="hi", temperature=-1)
+    assert bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="hi", extra_body={"speculation": {"drafter": "oracle"}})
+    assert bad.value.param == "speculation.drafter"
+    with pytest.raises(openai.BadRequestError) as bad:  # refused by the orchestrator, which tokenizes
+        client.completions.create(model=model, prompt="x" * 40_000, max_tokens=4)
+    assert bad.value.code == "context_length_exceeded" and bad.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as bad:  # streaming: the error comes before the stream
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x" * 40_000}], stream=True
+        )
+    assert bad.value.code == "context_length_exceeded" and bad.value.param == "messages"
+    assert pipeline.status().active_requests == 0
+
+
+def _freed(pipeline: Pipeline, what: str) -> None:
+    """The pipeline forgets the request well before the orchestrator's 30 s idle timeout."""
+
+    def idle(report) -> bool:
+        lanes = {lane.name: lane for lane in report.lanes}
+        return report.active_requests == 0 and lanes["verify"].active_requests == 0
+
+    pipeline.wait_until(idle, timeout=12, what=what)
+
+
+@pytest.mark.slow
+def test_a_client_that_disconnects_mid_stream_cancels_its_request(pipeline, client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=2000, temperature=0,
+        stream=True, extra_body={"ignore_eos": True, "speculation": {"drafter": "none"}},
+    )  # fmt: skip
+    seen = 0
+    for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen >= 3:
+            break
+    request_id = chunk.id.removeprefix("chatcmpl-")
+    assert pipeline.status().active_requests == 1
+    stream.close()  # the connection goes; nothing else is said
+    _freed(pipeline, "the streamed request to be cancelled")
+    with Client(pipeline.config.addresses.client) as pipe:
+        *_, done = pipe.chunks(request_id, after=10**6)
+    assert done["finish_reason"] == "cancelled" and len(done["tokens"]) < 2000
+
+
+@pytest.mark.slow
+def test_a_client_that_disconnects_while_waiting_for_a_whole_completion_cancels_it(pipeline, model):
+    request = {"model": model, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    host, port = pipeline.config.gateway.host, pipeline.config.gateway.port
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(request), {"Content-Type": "application/json"})
+    pipeline.wait_until(lambda r: r.active_requests == 1, what="the request to start")
+    connection.close()
+    _freed(pipeline, "the non-streamed request to be cancelled")
+
+
+@pytest.mark.slow
+def test_503_while_the_verify_lane_is_not_up(tmp_path: Path):
+    """A pipeline without a verify lane: the gateway says why instead of waiting forever."""
+    p = Pipeline(tmp_path / "run", ['run.components=["orchestrator", "gateway"]'])
+    p.run_dir.mkdir(parents=True)
+    command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in p.settings)]
+    log = (p.run_dir / "supervisor.log").open("ab")
+    p.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        with Client(p.config.addresses.client, timeout=90) as pipe:  # waits for the orchestrator
+            deadline = time.monotonic() + 90
+            while {x.name for x in pipe.status().lanes if x.state == "up"} != {"gateway", "orchestrator"}:
+                assert time.monotonic() < deadline, "the gateway and the orchestrator did not come up"
+                time.sleep(0.1)
+        status, body = fetch_json(f"{p.gateway_url}/health")
+        assert status == 503 and "not up: verify" in body["reason"]
+        status, body = fetch_json(f"{p.gateway_url}/v1/completions", json.dumps({"prompt": "hi"}).encode())
+        assert status == 503
+        assert_error(body, type="server_error", code="pipeline_unavailable")
+        assert "verify" in body["error"]["message"]
+    finally:
+        p.stop()
+    assert p.proc.returncode == 0
+    with pytest.raises(ConnectionError):  # the gateway went with its supervisor
+        socket.create_connection((p.config.gateway.host, p.config.gateway.port), timeout=2).close()

@@ -1,0 +1,265 @@
+"""The OpenAI wire format without processes: request -> Submit, chunks and responses,
+errors. Shapes are checked against the `openai` package's own response models, so a field
+the official client would not parse fails here."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from pipeline.openai_api import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DONE_EVENT,
+    ApiError,
+    Formatter,
+    decode_request,
+    event,
+    failure,
+    pipeline_error,
+    to_submit,
+)
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "Once", **fields}).encode()
+
+
+def submit_of(body: bytes, is_chat: bool):
+    return to_submit(decode_request(body, is_chat), MODEL)
+
+
+def rejected(body: bytes, is_chat: bool = True) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        submit_of(body, is_chat)
+    return caught.value
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+def test_every_supported_field_reaches_the_submit():
+    body = chat(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=["\n\n", "END"], n=1,
+        stream=True, stream_options={"include_usage": True}, ignore_eos=True,
+        speculation={"drafter": "ngram", "k": 4, "max_iterations": 9},
+        user="someone", metadata={"x": 1},  # unknown fields are ignored, as OpenAI servers do
+    )  # fmt: skip
+    submit = submit_of(body, True)
+    p = submit.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.5, 0.9, 40, 3)
+    assert p.stop == ("\n\n", "END") and p.ignore_eos
+    assert (submit.drafter, submit.k, submit.max_iterations) == ("ngram", 4, 9)
+    assert submit.messages == [{"role": "user", "content": "hi"}] and submit.prompt is None
+
+
+def test_defaults_follow_openai_and_the_pipeline():
+    submit = submit_of(completion(), False)
+    p = submit.params
+    assert p.temperature == DEFAULT_TEMPERATURE == 1.0  # OpenAI samples unless told otherwise
+    assert p.max_tokens == DEFAULT_MAX_TOKENS and p.top_k == 0 and p.top_p == 1.0 and p.seed is None
+    assert p.stop == () and not p.ignore_eos
+    assert (submit.prompt, submit.chat, submit.drafter, submit.k) == ("Once", False, None, None)
+    assert submit_of(completion(stop="###", top_k=-1), False).params.stop == ("###",)
+    assert submit_of(completion(stop=None), False).params.stop == ()
+    assert submit_of(completion(speculation={"k": "auto"}), False).k is None
+    # A request that names no model gets the one this server serves.
+    body = json.loads(completion())
+    del body["model"]
+    assert submit_of(json.dumps(body).encode(), False).prompt == "Once"
+
+
+def test_max_completion_tokens_wins_over_max_tokens_in_chat():
+    assert submit_of(chat(max_tokens=5, max_completion_tokens=9), True).params.max_tokens == 9
+    assert submit_of(chat(max_tokens=5), True).params.max_tokens == 5
+    assert rejected(chat(max_completion_tokens=0)).param == "max_completion_tokens"
+    assert rejected(completion(max_tokens=0), False).param == "max_tokens"
+
+
+def test_chat_messages_content_parts_and_roles():
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]},
+        {"role": "assistant", "content": None},
+    ]
+    submit = submit_of(chat(messages=messages), True)
+    assert submit.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello, you"},
+        {"role": "assistant", "content": ""},
+    ]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert rejected(chat(messages=image)).param == "messages.0.content"
+    assert rejected(chat(messages=[])).param == "messages"
+
+
+def test_a_prompt_list_must_hold_one_string():
+    assert submit_of(completion(prompt=["only one"]), False).prompt == "only one"
+    error = rejected(completion(prompt=["a", "b"]), False)
+    assert (error.status, error.param) == (400, "prompt")
+    assert rejected(completion(prompt=[1, 2, 3]), False).param == "prompt"  # token ids: not supported
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -5}, "seed"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+        ({"speculation": {"drafter": "oracle"}}, "speculation.drafter"),
+        ({"speculation": {"k": 99}}, "speculation.k"),
+        ({"speculation": {"max_iterations": 0}}, "speculation.max_iterations"),
+        ({"speculation": {"draftr": "ngram"}}, "speculation"),  # a typo inside the extension is caught
+        ({"messages": "hi"}, "messages"),
+    ],
+)
+def test_bad_fields_are_a_400_naming_the_field(fields, param):
+    error = rejected(chat(**fields))
+    assert error.status == 400 and error.type == "invalid_request_error"
+    assert error.param == param, error.message
+    assert error.message
+
+
+def test_neutral_values_of_unsupported_features_are_accepted():
+    body = chat(n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[])
+    assert submit_of(body, True).params.max_tokens == DEFAULT_MAX_TOKENS
+    assert submit_of(completion(best_of=1, echo=False, suffix=None), False).prompt == "Once"
+    assert rejected(completion(echo=True), False).param == "echo"
+
+
+def test_malformed_json_and_missing_fields():
+    error = rejected(b'{"model": "x", "messages": [')
+    assert (error.status, error.code, error.param) == (400, "invalid_json", None)
+    assert rejected(b"[1, 2]").status == 400
+    assert rejected(json.dumps({"model": MODEL}).encode()).param == "messages"
+    assert rejected(json.dumps({"model": MODEL}).encode(), False).param == "prompt"
+
+
+def test_an_unknown_model_is_a_404():
+    error = rejected(chat(model="gpt-4o"))
+    assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
+    assert "gpt-4o" in error.message and MODEL in error.message
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "code"),
+    [
+        ("bad_request", 400, None),
+        ("prompt_too_long", 400, "context_length_exceeded"),
+        ("unavailable", 503, "pipeline_unavailable"),
+        ("verification_failed", 500, "verification_failed"),
+        ("internal", 500, "internal"),
+    ],
+)
+def test_pipeline_errors_map_to_http_statuses(kind, status, code):
+    error = pipeline_error(kind, "why", param="prompt")
+    body = error.body()["error"]
+    assert (error.status, body["code"], body["message"]) == (status, code, "why")
+    assert set(body) == {"message", "type", "param", "code"}
+    assert body["type"] == ("invalid_request_error" if status == 400 else "server_error")
+    assert body["param"] == ("prompt" if status == 400 else None)
+
+
+def test_a_failed_or_cancelled_request_is_a_server_error():
+    failed = {
+        "request_id": "r",
+        "finish_reason": "error",
+        "error": {"kind": "verification_failed", "message": "m"},
+    }
+    error = failure(failed)
+    assert error is not None and (error.status, error.code) == (500, "verification_failed")
+    cancelled = failure({"request_id": "r", "finish_reason": "cancelled", "tokens": [], "stats": {}})
+    assert cancelled is not None and cancelled.status == 500
+    assert failure(_done("stop")) is None and failure(_done("max_iterations_exceeded")) is None
+
+
+# --- responses ------------------------------------------------------------------------
+
+
+def _done(finish_reason: str = "stop") -> dict:
+    return {
+        "prompt_tokens": [1, 2, 3],
+        "tokens": [10, 11, 2],
+        "text": "Hi!",
+        "finish_reason": finish_reason,
+        "stats": {"drafter": "ngram", "steps": 2, "acceptance_rate": 0.5, "seed": 7},
+        "request_id": "abc",
+    }
+
+
+def test_chat_stream_chunks_parse_as_openai_chunks():
+    fmt = Formatter(True, "abc", MODEL, 1700000000, prompt_tokens=3)
+    opening = fmt.opening()
+    assert opening is not None
+    chunks = [opening, fmt.text("Hi"), fmt.text("!"), fmt.closing(_done()), fmt.usage_chunk(_done())]
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert {c.id for c in parsed} == {"chatcmpl-abc"} and {c.model for c in parsed} == {MODEL}
+    assert parsed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in parsed[:3]) == "Hi!"
+    assert [c.choices[0].finish_reason for c in parsed[:4]] == [None, None, None, "stop"]
+    last = parsed[3]
+    assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 3)
+    assert last.model_extra == {
+        "speculation": {"request_id": "abc", "finish_reason": "stop", **_done()["stats"]}
+    }
+    assert parsed[4].choices == [] and parsed[4].usage is not None and parsed[4].usage.total_tokens == 6
+
+
+def test_text_completion_chunks_and_responses_parse_as_openai_objects():
+    fmt = Formatter(False, "abc", MODEL, 1700000000, prompt_tokens=3)
+    assert fmt.opening() is None
+    first = fmt.text("Hi")  # finish_reason null mid-stream, as OpenAI sends it (its model says non-null)
+    assert (first["id"], first["object"], first["choices"][0]["text"]) == (
+        "cmpl-abc",
+        "text_completion",
+        "Hi",
+    )
+    assert first["choices"][0]["finish_reason"] is None and first["created"] == 1700000000
+    closing = Completion.model_validate(fmt.closing(_done("length")))
+    assert closing.choices[0].finish_reason == "length" and closing.choices[0].text == ""
+    whole = Completion.model_validate(fmt.response(_done("max_iterations_exceeded")))
+    assert whole.choices[0].text == "Hi!" and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.total_tokens == 6
+    assert whole.model_extra is not None
+    assert whole.model_extra["speculation"]["finish_reason"] == "max_iterations_exceeded"
+
+
+def test_chat_response_parses_as_an_openai_chat_completion():
+    fmt = Formatter(True, "abc", MODEL, 1700000000, prompt_tokens=3)
+    response = ChatCompletion.model_validate(fmt.response(_done()))
+    assert response.object == "chat.completion" and response.id == "chatcmpl-abc"
+    message = response.choices[0].message
+    assert (message.role, message.content, response.choices[0].finish_reason) == ("assistant", "Hi!", "stop")
+    assert response.usage is not None and response.usage.completion_tokens == 3
+
+
+def test_server_sent_events_are_data_lines():
+    data = event({"a": "b\nc"})
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n") and data.count(b"\n") == 2
+    assert msgspec.json.decode(data[6:]) == {"a": "b\nc"}
+    assert DONE_EVENT == b"data: [DONE]\n\n"
