@@ -128,8 +128,17 @@ def cmd_show(store: AuditStore, args: argparse.Namespace) -> int:
     summary = next((e for e in events if isinstance(e, SpeculativeEvent)), None)
     faults = [e.fault for e in events if isinstance(e, FaultEvent)]
     if args.json:
+        step_data = msgspec.to_builtins(steps)
+        for data, step in zip(step_data, steps, strict=True):  # records, not positional arrays
+            data["decisions"] = [msgspec.structs.asdict(d) for d in step.decisions]
         _print_json(
-            {"request_id": request_id, "opened": opened, "steps": steps, "summary": summary, "faults": faults}
+            {
+                "request_id": request_id,
+                "opened": opened,
+                "steps": step_data,
+                "summary": summary,
+                "faults": faults,
+            }
         )
         return 0
     print(f"request {request_id}")
@@ -265,7 +274,7 @@ def cmd_verify(store: AuditStore, args: argparse.Namespace) -> int:
     failed = report.failed_steps
     where = f" at step{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}" if failed else ""
     print(
-        f"verdict: {report.verdict}{where} ({len(report.steps)} steps; largest q(x) round-off "
-        f"{report.max_q_error:.2g}, p(x) {report.max_p_error:.2g})"
+        f"verdict: {report.verdict}{where} ({len(report.steps)} steps; largest |recorded - recomputed| "
+        f"q(x) {report.max_q_error:.2g}, p(x) {report.max_p_error:.2g})"
     )
     return code

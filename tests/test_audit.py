@@ -490,6 +490,8 @@ def test_cli_list_show_stats_verify_and_a_tampered_record(models, sampled_record
     code, out = run_cli(capsys, "show", "re", "--db", str(db), "--json")
     shown = msgspec.json.decode(out)
     assert code == 0 and len(shown["steps"]) == len(steps_of(events)) and shown["summary"]["tokens"]
+    decided = [d for step in shown["steps"] for d in step["decisions"]]
+    assert decided and {"draft_token", "p", "q", "u", "kept", "replacement"} <= set(decided[0])
     code, out = run_cli(capsys, "show", "req", "--db", str(db))
     assert code == 0 and "pos 0: draft" in out
     code, out = run_cli(capsys, "stats", "--db", str(db), "--json")
@@ -591,3 +593,18 @@ def test_audit_verify_passes_on_real_requests_and_names_a_tampered_step(tmp_path
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert result.returncode == 1, (result.stdout, result.stderr)
         assert f"verdict: fail at step {target.step}" in result.stdout, result.stdout
+
+
+def test_the_audit_lane_applies_the_configured_limits(tmp_path):
+    from types import SimpleNamespace
+
+    from lanes.audit import retain
+    from pipeline.config import load_config
+
+    config = load_config(None, ["audit.max_requests=1", "audit.max_age_days=0", "audit.prune_seconds=7"], {})
+    store = AuditStore(tmp_path / "audit.sqlite")
+    store.add([*fake_request("old", 1000.0), *fake_request("new", 2000.0)])
+    before = time.monotonic()
+    due = retain(store, SimpleNamespace(config=config))  # type: ignore[arg-type]
+    assert store.request_ids() == ["new"] and before + 7 <= due <= time.monotonic() + 7
+    store.close()
