@@ -188,9 +188,9 @@ def stream_chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
 
 @pytest.mark.slow
 def test_openai_streaming_chat_equals_generate(pipeline, client, model, reference):
-    ref, n_prompt = reference(CODE, max_tokens=40)
+    ref, n_prompt = reference(CODE, max_tokens=32)
     text, closing, usage_chunk = stream_chat(
-        client, model, CODE, 40, speculation={"drafter": "ngram", "k": 4}
+        client, model, CODE, 32, speculation={"drafter": "ngram", "k": 4}
     )
     assert text == ref.text
     assert closing is not None and closing.choices[0].finish_reason == ref.finish_reason
@@ -206,11 +206,11 @@ def test_openai_streaming_chat_equals_generate(pipeline, client, model, referenc
 
 @pytest.mark.slow
 def test_openai_non_streaming_chat_and_text_completions_equal_generate(client, model, reference):
-    ref, n_prompt = reference(PROMPTS[2], max_tokens=24)
+    ref, n_prompt = reference(PROMPTS[2], max_tokens=16)
     response = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": PROMPTS[2]}],
-        max_completion_tokens=24,
+        max_completion_tokens=16,
         temperature=0,
     )
     assert response.choices[0].message.content == ref.text
@@ -240,11 +240,11 @@ def test_openai_non_streaming_chat_and_text_completions_equal_generate(client, m
 
 @pytest.mark.slow
 def test_curl_streams_server_sent_events(pipeline, model, reference, tmp_path):
-    ref, _ = reference(PROMPTS[3], max_tokens=24)
+    ref, _ = reference(PROMPTS[3], max_tokens=16)
     body = tmp_path / "body.json"
     request = {
         "model": model, "messages": [{"role": "user", "content": PROMPTS[3]}],
-        "max_tokens": 24, "temperature": 0, "stream": True, "speculation": {"drafter": "ngram"},
+        "max_tokens": 16, "temperature": 0, "stream": True, "speculation": {"drafter": "ngram"},
     }  # fmt: skip
     body.write_text(json.dumps(request))
     done = subprocess.run(
@@ -275,7 +275,7 @@ def test_eight_concurrent_streaming_clients_each_get_their_own_correct_output(pi
             client = openai.OpenAI(
                 base_url=f"{pipeline.gateway_url}/v1", api_key="-", max_retries=0, timeout=300
             )
-            results[i] = stream_chat(client, model, PROMPTS[i % 4], 24, speculation={"drafter": "ngram"})[0]
+            results[i] = stream_chat(client, model, PROMPTS[i % 4], 16, speculation={"drafter": "ngram"})[0]
         except BaseException as exc:
             errors.append(exc)
 
@@ -286,7 +286,7 @@ def test_eight_concurrent_streaming_clients_each_get_their_own_correct_output(pi
         thread.join(300)
     assert not errors and len(results) == 8
     for i, text in results.items():
-        assert text == reference(PROMPTS[i % 4], max_tokens=24)[0].text, i
+        assert text == reference(PROMPTS[i % 4], max_tokens=16)[0].text, i
     pipeline.wait_until(lambda r: r.active_requests == 0, what="every request finished")
 
 
