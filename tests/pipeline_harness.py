@@ -103,8 +103,10 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_pipeline(run_dir: Path, settings: list[str]) -> Iterator[Pipeline]:
-    pipeline = Pipeline(run_dir, settings)
+def running_pipeline(
+    run_dir: Path, settings: list[str], env: dict[str, str] | None = None
+) -> Iterator[Pipeline]:
+    pipeline = Pipeline(run_dir, settings, env)
     try:
         pipeline.start()
         yield pipeline

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +33,7 @@ from pipeline.messages import (
 from pipeline.model import Model
 from pipeline.sampling import SamplingParams
 from pipeline.speculative import decode, draft_rng
+from pipeline.telemetry import carrier
 
 from .telemetry_harness import MemoryTelemetry
 from .tinymodel import TinySpec, write_tiny_gguf
@@ -414,6 +416,36 @@ def test_concurrent_requests_are_verified_in_one_batch(model):
     steps = GREEDY.max_tokens - 1
     assert (lane.state.batches, lane.state.batched_rows) == (steps, 3 * steps)
     assert lane.state.active_requests == 3
+
+
+def test_each_request_in_a_batch_gets_a_verify_span_in_its_own_trace(model):
+    """One forward serves both, but each request's trace shows its own step, under the
+    context its message carried, with the batch it shared."""
+    lane, callers = FakeLane(), MemoryTelemetry()
+    verifier = Verifier(model, lane)
+    roots = {name: callers.start(f"request {name}") for name in ("short", "long")}
+    clients = {name: Client(verifier, name, PROMPTS[name], GREEDY) for name in roots}
+    for name, client in clients.items():
+        one(verifier.handle([msgspec.structs.replace(client.open_message(), trace=carrier(roots[name]))]))
+        client.context.append(0)  # the token itself does not matter here
+    drafts = {"short": [5, 6], "long": []}
+    verifier.handle(
+        [
+            msgspec.structs.replace(c.verify_message(drafts[n]), trace=carrier(roots[n]))
+            for n, c in clients.items()
+        ]
+    )
+    spans = {s.attributes["speclanes.request_id"]: s for s in lane.telemetry.spans("verify")}
+    assert set(spans) == set(roots)
+    for name, span in spans.items():
+        root = roots[name].get_span_context()
+        assert span.parent is not None and span.parent.span_id == root.span_id
+        assert span.context.trace_id == root.trace_id
+        assert span.attributes["speclanes.batch_size"] == 2
+        assert span.attributes["speclanes.batch_rows"] == 4
+        assert span.attributes["speclanes.k"] == len(drafts[name])
+    prefills = lane.telemetry.spans("prefill")
+    assert {s.context.trace_id for s in prefills} == {r.get_span_context().trace_id for r in roots.values()}
 
 
 def test_batched_drafts_of_different_lengths_match_one_at_a_time(model):
