@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
     )
     pipe_bench.add_argument("--json", action="store_true")
+    tracing_bench = bench_sub.add_parser(
+        "tracing", help="a traced pipeline vs one with OTEL_SDK_DISABLED, single stream, side by side"
+    )
+    tracing_bench.add_argument("--model", metavar="PATH")
+    tracing_bench.add_argument("--drafters", default="none,ngram")
+    tracing_bench.add_argument("--repeats", type=int, default=3)
+    tracing_bench.add_argument("--max-tokens", type=int, default=128, help="per request (EOS ignored)")
+    tracing_bench.add_argument("--json", action="store_true")
     peers_bench = bench_sub.add_parser(
         "peers", help="speclanes vs transformers and llama-cpp-python (ops/bench/install_peers.sh)"
     )
@@ -326,13 +334,14 @@ def cmd_stream(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import model_bench, peers_bench, pipeline_bench, speculative_bench
+    from .bench import model_bench, peers_bench, pipeline_bench, speculative_bench, tracing_bench
 
     benches = {
         "model": model_bench,
         "speculative": speculative_bench,
         "pipeline": pipeline_bench,
         "peers": peers_bench,
+        "tracing": tracing_bench,
     }
     return benches[args.bench].main(args)
 

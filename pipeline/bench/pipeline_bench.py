@@ -67,15 +67,16 @@ def progress(text: str) -> None:
 
 
 @contextlib.contextmanager
-def running_pipeline(settings: list[str]) -> Iterator[Config]:
+def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> Iterator[Config]:
     """A pipeline in a fresh temp run dir; SIGTERM to its supervisor on the way out, even on error.
 
     The environment's SPECLANES_* settings are left out on both sides, so a user's
-    configuration cannot make the pipeline and the in-process reference differ."""
+    configuration cannot make the pipeline and the in-process reference differ; `env`
+    adds variables for the pipeline's processes (OTEL_* for the tracing bench)."""
     run_dir = Path(tempfile.mkdtemp(prefix="speclanes-bench-"))
     overrides = [f"run.dir={run_dir}", *settings]
     config = load_config(None, overrides, environ={})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECLANES_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECLANES_")}, **(env or {})}
     command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in overrides)]
     ok = False
     with (run_dir / "supervisor.log").open("ab") as log:
