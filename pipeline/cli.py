@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .audit_cli import add_parser as add_audit_parser
 
     add_audit_parser(sub, _add_config_flags)
+    trace = sub.add_parser("trace", help="read the telemetry file export: list traces, or show one as a tree")
+    _add_config_flags(trace)
+    trace.add_argument("request", nargs="?", help="a request id or trace id (default: list the traces)")
+    trace.add_argument("--dir", help="telemetry directory (default: telemetry.dir from the config)")
+    trace.add_argument("--json", action="store_true")
     return parser
 
 
@@ -346,6 +351,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return benches[args.bench].main(args)
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .trace_files import find_trace, read_spans, render_tree, summary_rows, trace_files
+
+    directory = Path(args.dir or _config(args).telemetry.dir)
+    files = trace_files(directory)
+    if not files:
+        raise ValueError(f"no trace files in {directory} (is OTEL_TRACES_EXPORTER sending them elsewhere?)")
+    spans, bad = read_spans(files)
+    if bad:
+        print(f"speclanes: skipped {bad} unreadable line(s): a process killed while writing", file=sys.stderr)
+    if args.request is None:
+        rows = summary_rows(spans)
+        if args.json:
+            print(msgspec.json.encode(rows).decode())
+            return 0
+        print(f"{'request':<34}{'trace':<34}{'spans':>6}{'seconds':>9}{'tokens':>8}{'errors':>8}  services")
+        for row in rows:
+            print(
+                f"{row['request_id']:<34}{row['trace_id']:<34}{row['spans']:>6}{row['seconds']:>9.2f}"
+                f"{row['output_tokens']:>8}{row['errors']:>8}  {','.join(row['services'])}"
+            )
+        return 0
+    trace = find_trace(spans, args.request)
+    if not trace:
+        raise ValueError(f"no trace for {args.request!r} in {directory}")
+    print(msgspec.json.encode(trace).decode() if args.json else render_tree(trace))
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from . import audit_cli
 
@@ -366,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": cmd_status,
         "stream": cmd_stream,
         "audit": cmd_audit,
+        "trace": cmd_trace,
     }
     try:
         return handlers[args.command](args)

@@ -100,3 +100,72 @@ def read_spans(paths: Iterable[Path]) -> tuple[list[SpanRecord], int]:
 
 def trace_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.traces.jsonl"))
+
+
+# --- for people: `speclanes trace` ----------------------------------------------------
+
+
+def traces(spans: list[SpanRecord]) -> dict[str, list[SpanRecord]]:
+    """Spans by trace, each trace in start order."""
+    out: dict[str, list[SpanRecord]] = {}
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        out.setdefault(span.trace_id, []).append(span)
+    return out
+
+
+def find_trace(spans: list[SpanRecord], key: str) -> list[SpanRecord]:
+    """A trace by its trace id or by the request id its spans carry."""
+    for trace_id, trace in traces(spans).items():
+        if trace_id == key or any(s.attributes.get("speclanes.request_id") == key for s in trace):
+            return trace
+    return []
+
+
+def summary_rows(spans: list[SpanRecord]) -> list[dict[str, Any]]:
+    """One row per request trace (those with a request root), oldest first."""
+    rows = []
+    for trace_id, trace in traces(spans).items():
+        root = next((s for s in trace if not s.parent_id and "gen_ai.operation.name" in s.attributes), None)
+        if root is None:
+            continue
+        rows.append(
+            {
+                "trace_id": trace_id,
+                "request_id": root.attributes.get("speclanes.request_id", ""),
+                "name": root.name,
+                "spans": len(trace),
+                "services": sorted({s.service for s in trace}),
+                "seconds": (root.end_ns - root.start_ns) / 1e9,
+                "output_tokens": root.attributes.get("gen_ai.usage.output_tokens", 0),
+                "errors": sum(s.status == "ERROR" for s in trace),
+            }
+        )
+    return rows
+
+
+SHOWN = ("speclanes.step", "speclanes.k", "speclanes.accepted", "speclanes.batch_size", "speclanes.drafter")
+
+
+def render_tree(trace: list[SpanRecord]) -> str:
+    """The trace as an indented tree: offset from the root's start, duration, service, name."""
+    children: dict[str, list[SpanRecord]] = {}
+    ids = {s.span_id for s in trace}
+    for span in trace:
+        children.setdefault(span.parent_id if span.parent_id in ids else "", []).append(span)
+    origin = min(s.start_ns for s in trace)
+    lines: list[str] = []
+
+    def walk(parent: str, depth: int) -> None:
+        for span in children.get(parent, []):
+            extra = " ".join(
+                f"{k.removeprefix('speclanes.')}={span.attributes[k]}" for k in SHOWN if k in span.attributes
+            )
+            error = f"  ERROR {span.status_message}" if span.status == "ERROR" else ""
+            lines.append(
+                f"{(span.start_ns - origin) / 1e6:9.1f} ms {(span.end_ns - span.start_ns) / 1e6:8.1f} ms  "
+                f"{'  ' * depth}{span.name} [{span.service}] {extra}{error}".rstrip()
+            )
+            walk(span.span_id, depth + 1)
+
+    walk("", 0)
+    return "\n".join(lines)

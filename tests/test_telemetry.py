@@ -16,6 +16,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 from pipeline.audit_store import AuditStore
+from pipeline.cli import main as cli_main
 from pipeline.messages import StepEvent
 from pipeline.sampling import SamplingParams
 from pipeline.telemetry import Telemetry, TelemetryError, carrier, check, exporters, service_name
@@ -90,6 +91,25 @@ def test_the_file_export_reads_back_as_otlp_json_with_the_same_ids(tmp_path) -> 
     assert fault.events[0]["name"] == "speclanes.fault"
     assert fault.events[0]["speclanes.fault.message"] == "pid 1 exited"
     assert by_name["verify"].service == "speclanes-orchestrator"
+
+
+def test_speclanes_trace_lists_and_shows_a_trace_from_the_files(tmp_path, capsys) -> None:
+    env = {"OTEL_TRACES_EXPORTER": "otlp_json_file", "OTEL_METRICS_EXPORTER": "none"}
+    telemetry = Telemetry.configure("orchestrator", tmp_path, "run-1", env)
+    root = telemetry.start(
+        "chat m", attributes={"gen_ai.operation.name": "chat", "speclanes.request_id": "r9"}
+    )
+    telemetry.start("verify", root, {"speclanes.step": 1, "speclanes.k": 4, "speclanes.accepted": 3}).end()
+    root.end()
+    telemetry.shutdown()
+    assert cli_main(["trace", "--dir", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "r9" in listing and format(root.get_span_context().trace_id, "032x") in listing
+    assert cli_main(["trace", "r9", "--dir", str(tmp_path)]) == 0
+    tree = capsys.readouterr().out.splitlines()
+    assert "chat m [speclanes-orchestrator]" in tree[0]
+    assert tree[1].split("ms", 2)[2].startswith("    verify") and "step=1 k=4 accepted=3" in tree[1]
+    assert cli_main(["trace", "nope", "--dir", str(tmp_path)]) == 2
 
 
 # --- one pipeline, traced end to end ----------------------------------------------------
