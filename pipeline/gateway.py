@@ -19,6 +19,7 @@ from typing import Any
 
 import hypercorn
 import hypercorn.trio
+import msgspec
 import trio
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -49,6 +50,7 @@ REQUIRED_LANES = ("orchestrator", "verify")  # without these nothing decodes; dr
 READY_CHECK_SECONDS = 2.0  # how long a readiness check may take before the answer is 503
 READY_TRUST_SECONDS = 1.0  # a successful check is reused this long
 CANCEL_SECONDS = 5.0
+TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 class Generation:
@@ -156,6 +158,9 @@ class Gateway:
     async def generate(self, request: Request, chat: bool) -> Response:
         req = decode_request(await request.body(), chat)
         submit = to_submit(req, self.model)
+        # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
+        trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
+        submit = msgspec.structs.replace(submit, trace=trace) if trace else submit
         await self.require_ready()
         try:
             submitted = await self.client.call(submit)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pipeline.drafters.registry import make_draft_source
 from pipeline.prompts import prompt_tokens
 from pipeline.sampling import SamplingParams
 from pipeline.speculative import Completion, decode
+from pipeline.trace_files import read_spans, trace_files
 
 from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
 
@@ -135,7 +137,8 @@ def test_a_taken_port_is_reported_in_one_line(tmp_path: Path):
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     # timeouts.client_idle stays at its 30 s: a request freed sooner was cancelled by the gateway.
     settings = ["restart.initial_backoff=0.1", "timeouts.draft=5.0"]
-    with running_pipeline(tmp_path_factory.mktemp("gateway"), settings) as p:
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # spans reach the trace files within a moment
+    with running_pipeline(tmp_path_factory.mktemp("gateway"), settings, env) as p:
         yield p
 
 
@@ -169,11 +172,13 @@ def reference(smollm2):
     return run
 
 
-def stream_chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, **extra: Any):
+def stream_chat(
+    client: openai.OpenAI, model: str, prompt: str, max_tokens: int, headers: dict | None = None, **extra: Any
+):
     """Text, closing chunk and usage chunk of one greedy streamed chat request."""
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body=extra,
+        stream=True, stream_options={"include_usage": True}, extra_body=extra, extra_headers=headers,
     )  # fmt: skip
     text, closing, usage_chunk = [], None, None
     for chunk in stream:
@@ -189,8 +194,10 @@ def stream_chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
 @pytest.mark.slow
 def test_openai_streaming_chat_equals_generate(pipeline, client, model, reference):
     ref, n_prompt = reference(CODE, max_tokens=32)
+    trace_id = os.urandom(16).hex()
+    traceparent = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
     text, closing, usage_chunk = stream_chat(
-        client, model, CODE, 32, speculation={"drafter": "ngram", "k": 4}
+        client, model, CODE, 32, traceparent, speculation={"drafter": "ngram", "k": 4}
     )
     assert text == ref.text
     assert closing is not None and closing.choices[0].finish_reason == ref.finish_reason
@@ -202,6 +209,14 @@ def test_openai_streaming_chat_equals_generate(pipeline, client, model, referenc
     with Client(pipeline.config.addresses.client) as pipe:  # the same request, as the pipeline kept it
         *_, done = pipe.chunks(speculation["request_id"], after=10**6)
     assert done["tokens"] == ref.tokens
+    # The caller's traceparent header: the pipeline's spans for this request join its trace.
+    deadline = time.monotonic() + 20
+    while not any(
+        s.trace_id == trace_id and s.service.endswith("orchestrator")
+        for s in read_spans(trace_files(Path(pipeline.config.telemetry.dir)))[0]
+    ):
+        assert time.monotonic() < deadline, "no orchestrator span in the caller's trace"
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
