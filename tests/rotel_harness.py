@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import rotel
+
+from pipeline.bench.pipeline_bench import stop
 
 from .pipeline_harness import free_port
 
@@ -108,9 +109,4 @@ def otlp_receiver(directory: Path) -> Iterator[Receiver]:
             time.sleep(0.02)
         yield Receiver(f"http://127.0.0.1:{http}", log)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
