@@ -235,7 +235,9 @@ class Verifier:
         self.record, self.opened = record, record.opened
         self.params = msgspec.convert(self.opened.settings["params"], SamplingParams)
         self.seed = int(self.opened.settings["seed"])
+        self.vocab = target.cfg.vocab_size
         sequence = [*self.opened.prompt_tokens, *(t for s in record.steps for t in s.emitted)]
+        sequence = [t if 0 <= t < self.vocab else 0 for t in sequence]  # bad ids stop `run` at their step
         self.target_rows = RowSource(target, sequence)
         self.draft_rows = (
             None if draft is None else self.target_rows if draft is target else RowSource(draft, sequence)
@@ -254,6 +256,9 @@ class Verifier:
                 break  # positions and the random stream no longer line up: nothing after can be trusted
             verdict = StepVerdict(step.step, step.drafter, len(step.drafted), accepted, step.emitted)
             verdicts.append(verdict)
+            if any(not 0 <= t < self.vocab for t in [*step.drafted, *step.emitted]):
+                verdict.problems.append(f"a token id outside the model's vocabulary [0, {self.vocab})")
+                break  # the target cannot be run past it
             verdict.problems += structure_problems(step) if expected else self.first_step_shape(step)
             if not verdict.problems:
                 self.check_numbers(step, position, verdict)
@@ -369,6 +374,18 @@ def served_problems(record: Record, tokenizer: Tokenizer) -> list[str]:
     return problems
 
 
+def settings_problem(opened: RequestOpened, target: Model) -> str | None:
+    try:
+        msgspec.convert(opened.settings["params"], SamplingParams)
+        int(opened.settings["seed"])
+    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+        return f"the recorded settings are unusable: {exc!r}"
+    prompt = opened.prompt_tokens
+    if not prompt or any(not 0 <= t < target.cfg.vocab_size for t in prompt):
+        return "the recorded prompt is empty or has token ids outside the model's vocabulary"
+    return None
+
+
 def verify_request(
     request_id: str, events: Sequence[AuditEvent], target: Model, draft: Model | None = None
 ) -> Report:
@@ -380,6 +397,8 @@ def verify_request(
     verifier = None
     if record.opened is None:
         problems.append("no RequestOpened event: the settings and prompt are not recorded")
+    elif (problem := settings_problem(record.opened, target)) is not None:
+        problems.append(problem)
     elif not record.steps:
         problems.append("no steps recorded")
     else:

@@ -608,3 +608,20 @@ def test_the_audit_lane_applies_the_configured_limits(tmp_path):
     due = retain(store, SimpleNamespace(config=config))  # type: ignore[arg-type]
     assert store.request_ids() == ["new"] and before + 7 <= due <= time.monotonic() + 7
     store.close()
+
+
+def test_garbage_in_a_record_is_a_failure_not_a_crash(models, sampled_record):
+    target, draft, _ = models
+    step = first_step(sampled_record, lambda s: True)
+    events = replace_step(sampled_record, step.step, emitted=[*step.emitted[:-1], 10**9])
+    assert_fails_at(verify_request("req", events, target, draft), step.step, "vocabulary")
+    opened = sampled_record[0]
+    assert isinstance(opened, RequestOpened)
+    for settings in (
+        {},
+        {**opened.settings, "params": {"temperature": -1}},
+        {**opened.settings, "seed": "x"},
+    ):
+        forged = msgspec.structs.replace(opened, settings=settings)
+        report = verify_request("req", [forged, *sampled_record[1:]], target, draft)
+        assert report.verdict == "fail" and "settings" in report.problems[0]
