@@ -25,8 +25,14 @@ What is checked, for a request's `RequestOpened`, its `StepEvent`s and its summa
 
 What cannot be checked: that the model file is the one that served (a different model
 fails the q checks, which is the practical test); differences smaller than the
-tolerances (a tampered q within 1e-4 of the truth passes); drafted tokens themselves
-(any draft is allowed: the rule makes the output exact whatever the drafter says).
+tolerances (a q moved by less than 1e-4 + 0.1% of itself passes); drafted tokens themselves
+(any draft is allowed: the rule makes the output exact whatever the drafter says); that
+the seed was not chosen for its outcome (the stream check proves the u's were not edited
+after the fact, given the recorded seed). Which steps carry draft-model rows is read from
+the step's drafter name ("model" under sampling); any other drafter must have p(x) = 1.
+Round-off can, in rare cases, make an honest record fail: a token whose logit sits within
+round-off of the top-k or top-p cut-off is in the filtered row on one side and not on the
+other. Greedy near ties and draws at bucket edges are tolerated; that case is not.
 """
 
 from __future__ import annotations
