@@ -87,7 +87,8 @@ def llama_runner(path: Path, threads: int, lookup: int) -> tuple[Runner, dict[st
     `Llama.generate` never stops at EOS by itself, so the caller takes exactly `max_tokens`. The
     prompt-lookup instance is created with `logits_all=True`: a draft model makes `Llama` keep
     logits for every position, but its score buffer is sized by the `logits_all` argument, so
-    without it the first verify past `n_batch` positions fails. `reset()` before each run, or
+    without it generation fails (ValueError) once the sequence passes `n_batch` positions; the buffer
+    holds `n_ctx` rows of 49152 floats, hence the modest `n_ctx`. `reset()` before each run, or
     `generate` would reuse the cached prompt and skip the prefill."""
     import llama_cpp
     from llama_cpp import Llama
