@@ -253,6 +253,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     print(
         f"speclanes: pipeline up (supervisor pid {proc.pid}; logs in {run_dir}; pid file {pid_file(config)})"
     )
+    if "gateway" in config.processes():
+        url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
+        print(f"speclanes: OpenAI-compatible API at {url} (model {config.model_id()})")
     return 0
 
 
