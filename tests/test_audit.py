@@ -625,3 +625,13 @@ def test_garbage_in_a_record_is_a_failure_not_a_crash(models, sampled_record):
         forged = msgspec.structs.replace(opened, settings=settings)
         report = verify_request("req", [forged, *sampled_record[1:]], target, draft)
         assert report.verdict == "fail" and "settings" in report.problems[0]
+
+
+def test_cli_finds_the_store_through_the_config(tmp_path, capsys):
+    store = AuditStore(tmp_path / "audit.sqlite")
+    store.add(fake_request("abc", 1000.0))
+    code, out = run_cli(capsys, "list", "--json", "--set", f"run.dir={tmp_path}")
+    assert code == 0 and [r["request_id"] for r in msgspec.json.decode(out)] == ["abc"]
+    code = cli.main(["audit", "list", "--set", f"audit.path={tmp_path}/nothing.sqlite"])
+    assert code == 2 and "no audit database" in capsys.readouterr().err
+    store.close()
