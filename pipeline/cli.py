@@ -409,13 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command](args)
+    except BrokenPipeError:  # `speclanes ... | head`: the reader has all it wanted
+        sys.stderr.close()  # and Python's exit-time flush of stdout must not complain either
+        return 0
     except (ModelFileError, ValueError, PipelineError, OSError) as exc:
         print(f"speclanes: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":
