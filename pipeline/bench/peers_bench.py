@@ -236,6 +236,7 @@ def one_repeat(
 ) -> None:
     """Every workload through every row once, in an order rotated by the repeat."""
     for workload, prompt in prompts.items():
+        progress(f"repeat {repeat + 1}: {workload}")
         for variant in rotated(rows, repeat):
             time.sleep(0.2)  # let the previous row's spinning thread pools go idle
             runs[workload][variant.name].append(runner.run(variant, workload, prompt))
@@ -251,7 +252,7 @@ def measure(args: argparse.Namespace, model: Model, rows: list[Variant], runner:
     started, busy0, load0 = time.perf_counter(), machine_busy_seconds(), os.getloadavg()
     own_cpu, own0 = 0.0, process_cpu(ours)
     for repeat in range(args.repeats):
-        progress(f"repeat {repeat + 1}/{args.repeats}")
+        progress(f"repeat {repeat + 1}/{args.repeats}, load average {os.getloadavg()[0]:.2f}")
         if any(v.system == "pipeline" for v in rows):
             with (
                 running_pipeline(settings) as config,
@@ -328,6 +329,8 @@ def summarise(runs: dict, rows: list[Variant]) -> dict:
                 "speedup_vs_plain": rates[v.name] / rates[plain],
                 "speedup_vs_reference": rates[v.name] / rates[REFERENCE.name],
                 "mean_accepted_length": statistics.median(accepted_length(r) for r in rs),
+                "step_ms": statistics.median(step_ms(r) for r in rs),
+                "tokens_per_second_runs": [len(r["tokens"]) / r["seconds"] for r in rs],
                 "reference": equality(rs, reference),
                 "own_plain": equality(rs, by_row[plain][0]["tokens"]) if v.speculative else None,
             }  # fmt: skip
@@ -337,6 +340,11 @@ def summarise(runs: dict, rows: list[Variant]) -> dict:
 def decode_rate(run: dict) -> float:
     """Tokens after the first over the time after the first: decoding without the prefill."""
     return (len(run["tokens"]) - 1) / max(run["seconds"] - run["first_token_seconds"], 1e-9)
+
+
+def step_ms(run: dict) -> float:
+    """Mean wall time per target forward after the first token (draft, verify and overheads)."""
+    return 1000 * (run["seconds"] - run["first_token_seconds"]) / run["steps"] if run["steps"] > 0 else 0.0
 
 
 def accepted_length(run: dict) -> float:
@@ -368,8 +376,8 @@ def same_text(check: dict | None) -> str:
 def render_table(summary: dict) -> list[str]:
     lines = [
         "| workload | system | mode | tok/s | speed-up vs own plain | vs speclanes none | decode tok/s "
-        "| first token s | mean accepted len | = reference | = own plain |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| first token s | mean accepted len | ms/step | = reference | = own plain |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for workload, by_row in summary.items():
         for r in by_row.values():
@@ -377,7 +385,7 @@ def render_table(summary: dict) -> list[str]:
                 f"| {workload} | {r['system']} | {r['mode']} | {r['tokens_per_second']:.1f} "
                 f"| {r['speedup_vs_plain']:.2f}x | {r['speedup_vs_reference']:.2f}x "
                 f"| {r['decode_tokens_per_second']:.1f} | {r['first_token_seconds']:.2f} "
-                f"| {r['mean_accepted_length']:.2f} | {same_text(r['reference'])} "
+                f"| {r['mean_accepted_length']:.2f} | {r['step_ms']:.1f} | {same_text(r['reference'])} "
                 f"| {same_text(r['own_plain'])} |"
             )
     return lines
@@ -406,7 +414,8 @@ def render(results: dict, chart: str | None) -> str:
         "",
         "tok/s: new tokens over wall time from request to last token (prefill included; the pipeline "
         "as a client sees it). decode tok/s: tokens after the first over the time after the first. "
-        "mean accepted len: tokens after the first per target forward after the prompt's. "
+        "mean accepted len: tokens after the first per target forward after the prompt's; "
+        "ms/step: time after the first token per such forward (drafting and overheads included). "
         '= reference: output equals speclanes `none` in-process ("from token i": first difference); '
         "= own plain: a speculative row equals its own system's plain output.",
         "",
