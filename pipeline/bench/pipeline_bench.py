@@ -74,7 +74,9 @@ def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> 
     configuration cannot make the pipeline and the in-process reference differ; `env`
     adds variables for the pipeline's processes (OTEL_* for the tracing bench)."""
     run_dir = Path(tempfile.mkdtemp(prefix="speclanes-bench-"))
-    overrides = [f"run.dir={run_dir}", *settings]
+    # No HTTP gateway: the bench talks to the orchestrator, and a gateway would take port 8000
+    # from a pipeline the user runs (or from the bench's other pipeline).
+    overrides = [f"run.dir={run_dir}", "gateway.enabled=false", *settings]
     config = load_config(None, overrides, environ={})
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECLANES_")}, **(env or {})}
     command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in overrides)]

@@ -81,7 +81,7 @@ def render(summary: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     drafters = args.drafters.split(",")
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    settings = ["gateway.enabled=false", *([f"model.path={args.model}"] if args.model else [])]
+    settings = [f"model.path={args.model}"] if args.model else []
     traced_env = {"OTEL_SDK_DISABLED": "false", "OTEL_TRACES_EXPORTER": "otlp_json_file"}
     traced_env["OTEL_METRICS_EXPORTER"] = "otlp_json_file"
     with (
