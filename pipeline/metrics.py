@@ -25,10 +25,13 @@ class PipelineMetrics:
         self.accepted = meter.create_counter(
             "speclanes.tokens.accepted", "{token}", "Draft tokens the verifier kept"
         )
-        self.positions = meter.create_counter(
-            "speclanes.draft.position.decisions",
+        self.accepted_drafts = meter.create_histogram(
+            "speclanes.step.accepted_drafts",
             "{token}",
-            "Draft decisions by position in the draft (0-based) and outcome: acceptance per position",
+            "Drafts kept per verify step, by how many were drafted (speclanes.drafted). Acceptance at "
+            "position i is the share of steps with more than i drafted that kept more than i: one "
+            "record per step instead of one per position",
+            explicit_bucket_boundaries_advisory=[n + 0.5 for n in range(33)],
         )
         self.accepted_length = meter.create_histogram(
             "speclanes.step.accepted_length",
@@ -66,6 +69,7 @@ class PipelineMetrics:
             "speclanes.requests.active", "{request}", "Requests admitted and not yet finished"
         )
         self.faults = meter.create_counter("speclanes.faults", "{fault}", "Faults by kind and lane")
+        self.lane_attributes = {lane: {**self.base, "speclanes.lane": lane} for lane in ("draft", "verify")}
 
     def admitted(self, prompt_tokens: int) -> None:
         self.active.add(1, self.base)
@@ -77,16 +81,16 @@ class PipelineMetrics:
     def step(
         self, drafter: str, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float
     ) -> None:
+        """Six instrument calls: a step is on the request's critical path (each costs ~10 µs)."""
         attrs = {**self.base, "speclanes.drafter": drafter or "none"}
         self.drafted.add(drafted, attrs)
         self.accepted.add(accepted, attrs)
-        for position in range(drafted):
-            outcome = {"speclanes.position": position, "speclanes.accepted": position < accepted}
-            self.positions.add(1, {**attrs, **outcome})
+        if drafted:
+            self.accepted_drafts.record(accepted, {**attrs, "speclanes.drafted": drafted})
         self.accepted_length.record(accepted + 1, attrs)
         if draft_seconds:
-            self.step_duration.record(draft_seconds, {**self.base, "speclanes.lane": "draft"})
-        self.step_duration.record(verify_seconds, {**self.base, "speclanes.lane": "verify"})
+            self.step_duration.record(draft_seconds, self.lane_attributes["draft"])
+        self.step_duration.record(verify_seconds, self.lane_attributes["verify"])
 
     def finished(self, output_tokens: int, seconds: float, finish_reason: str) -> None:
         attrs = {**self.base, "gen_ai.response.finish_reasons": finish_reason}

@@ -298,7 +298,7 @@ def test_metrics_are_exported_by_the_orchestrator(scenario: Scenario) -> None:
     for name in (
         "speclanes.tokens.drafted",
         "speclanes.tokens.accepted",
-        "speclanes.draft.position.decisions",
+        "speclanes.step.accepted_drafts",
         "speclanes.step.accepted_length",
         "speclanes.step.duration",
         "gen_ai.server.time_to_first_token",
