@@ -30,11 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class LaneContext:
-    def __init__(self, name: str, config: Config, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, name: str, config: Config, telemetry: Telemetry) -> None:
         self.name, self.config, self.pid = name, config, os.getpid()
         self.state = SpeculativeState()
         self.control = Outbox(config.addresses.control)
-        self.telemetry = telemetry or Telemetry.configure(name, config.telemetry.dir, run_id(config))
+        self.telemetry = telemetry
 
     def fault(
         self,
