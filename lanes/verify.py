@@ -134,6 +134,7 @@ class Verifier:
                 self.requests.pop(msg.request_id, None)
             return [self.fail(msg, "verification_failed", f"forward failed: {exc!r}") for msg, _ in batch]
         replies: list[Verified | StepFailed] = []
+        rows = sum(1 + len(msg.drafts) for msg, _ in batch)
         for (msg, request), logits in zip(batch, all_logits, strict=True):
             verdict = request.target.conclude(logits, msg.drafts, request.probs)
             request.step = msg.step
@@ -144,12 +145,12 @@ class Verifier:
                 seconds=time.perf_counter() - start,
             )  # fmt: skip
             replies.append(request.reply)
-            self.trace_step(msg, request.reply, start_ns, rows=sum(1 + len(m.drafts) for m, _ in batch))
+            self.trace_step(msg, request.reply, start_ns, rows)
             state = self.lane.state
             state.drafted += len(msg.drafts)
             state.accepted += verdict.accepted
         self.lane.state.batches += 1
-        self.lane.state.batched_rows += sum(1 + len(msg.drafts) for msg, _ in batch)
+        self.lane.state.batched_rows += rows
         return replies
 
     def trace_step(self, msg: Verify, reply: Verified, start_ns: int, rows: int) -> None:

@@ -205,7 +205,7 @@ class Orchestrator:
         if req is not None and not event.trace:
             event = msgspec.structs.replace(event, trace=req.trace)  # the audit lane's span joins the trace
         data = encode(event)
-        sent = self.audit_out.put_nowait(event) if self.lanes["audit"].state == "up" else False
+        sent = self.audit_out.put_bytes_nowait(data) if self.lanes["audit"].state == "up" else False
         self.outbox[event.event_id] = (data, time.monotonic() if sent else -math.inf)
 
     def snapshot(self, lane: LaneView) -> None:
@@ -231,9 +231,7 @@ class Orchestrator:
             cutoff = time.monotonic() - self.config.audit.resend_after
             for event_id, (data, sent) in list(self.outbox.items()):
                 if sent < cutoff:
-                    try:
-                        self.audit_out.sock.send(data, block=False)
-                    except pynng.TryAgain:
+                    if not self.audit_out.put_bytes_nowait(data):
                         break
                     self.outbox[event_id] = (data, time.monotonic())
 
@@ -543,16 +541,14 @@ class Orchestrator:
         self.metrics.finished(len(req.session.out.tokens), seconds, reason)
         if span is None:
             return
-        stats = req.session.stats
+        stats = req.session.stats.as_dict()
         span.set_attributes(
             {
                 "gen_ai.usage.output_tokens": len(req.session.out.tokens),
                 "gen_ai.response.finish_reasons": [reason],
-                "speclanes.steps": stats.steps,
-                "speclanes.drafted": stats.drafted,
-                "speclanes.accepted": stats.accepted,
-                "speclanes.acceptance": stats.accepted / stats.drafted if stats.drafted else 0.0,
-                "speclanes.mean_accepted_length": (stats.accepted + stats.steps) / max(stats.steps, 1),
+                **{f"speclanes.{key}": stats[key] for key in ("steps", "drafted", "accepted")},
+                "speclanes.acceptance": stats["acceptance_rate"],
+                "speclanes.mean_accepted_length": stats["mean_accepted_length"],
             }
         )
         if "error" in done:

@@ -54,8 +54,12 @@ class TelemetryError(ValueError):
     """An exporter setting that cannot be honoured (unknown name, unsupported protocol)."""
 
 
+def namespace(environ: Mapping[str, str]) -> str:
+    return environ.get("OTEL_SERVICE_NAME") or "speclanes"
+
+
 def service_name(component: str, environ: Mapping[str, str]) -> str:
-    return f"{environ.get('OTEL_SERVICE_NAME') or 'speclanes'}-{component}"
+    return f"{namespace(environ)}-{component}"
 
 
 def resource(component: str, run_id: str, environ: Mapping[str, str]) -> Resource:
@@ -64,7 +68,7 @@ def resource(component: str, run_id: str, environ: Mapping[str, str]) -> Resourc
     return Resource.create(
         {
             "service.name": service_name(component, environ),
-            "service.namespace": environ.get("OTEL_SERVICE_NAME") or "speclanes",
+            "service.namespace": namespace(environ),
             "service.version": __version__,
             "speclanes.run_id": run_id,
             "speclanes.component": component,

@@ -134,8 +134,11 @@ class Outbox:
 
     def put_nowait(self, message: msgspec.Struct) -> bool:
         """Hand over if a peer can take it now; False otherwise (the caller keeps it)."""
+        return self.put_bytes_nowait(encode(message))
+
+    def put_bytes_nowait(self, data: bytes) -> bool:
         try:
-            self.sock.send(encode(message), block=False)
+            self.sock.send(data, block=False)
             return True
         except pynng.TryAgain:
             return False
