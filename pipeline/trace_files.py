@@ -24,6 +24,7 @@ ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 class SpanRecord(msgspec.Struct, frozen=True):
     service: str
+    pid: int  # the exporting process (resource attribute process.pid; 0 if absent)
     trace_id: str
     span_id: str
     parent_id: str  # "" for a root
@@ -66,6 +67,7 @@ def parse_line(line: str) -> list[SpanRecord]:
                 out.append(
                     SpanRecord(
                         service=str(resource.get("service.name", "")),
+                        pid=int(resource.get("process.pid", 0)),
                         trace_id=span.trace_id.hex(),
                         span_id=span.span_id.hex(),
                         parent_id=span.parent_span_id.hex(),

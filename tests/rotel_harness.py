@@ -30,6 +30,7 @@ TYPED = re.compile(r"^(Str|Int|Double|Bool)\((.*)\)$")
 @dataclass
 class ReceivedSpan:
     service: str
+    pid: int = 0
     trace_id: str = ""
     parent_id: str = ""
     span_id: str = ""
@@ -52,7 +53,11 @@ def parse_debug_log(text: str) -> list[ReceivedSpan]:
         if line.startswith("ResourceSpans #"):
             resource, mode = {}, "resource"
         elif line.startswith("Span #"):
-            spans.append(ReceivedSpan(service=resource.get("service.name", "")))
+            spans.append(
+                ReceivedSpan(
+                    service=resource.get("service.name", ""), pid=int(resource.get("process.pid", 0))
+                )
+            )
             mode = "span"
         elif line.startswith("Attributes:"):
             mode = "span attributes"
