@@ -18,7 +18,7 @@ from pipeline.drafters import Drafter, DraftSource
 from pipeline.drafters.registry import make_draft_sources
 from pipeline.lane import LaneContext, lane_main
 from pipeline.messages import BadMessage, Close, Drafted, DraftInbox, DraftRequest, Rows, StepFailed
-from pipeline.model import Model, default_model_path
+from pipeline.model import Model, default_model_path, load_model
 from pipeline.speculative import draft_rng
 from pipeline.transport import Inbox, Outbox
 
@@ -113,7 +113,8 @@ class DraftServer:
 async def serve(lane: LaneContext) -> None:
     config = lane.config
     target = Model.load(config.model.path or default_model_path())  # memory-mapped: vocabulary checks only
-    draft_model = Model.load(config.model.draft_path) if config.model.draft_path else None
+    draft_path, backend = config.model.draft_path, config.model.backend
+    draft_model = load_model(draft_path, backend) if draft_path else None
     server = DraftServer(make_draft_sources(target, draft_model), target.cfg.vocab_size, lane)
     inbox: Inbox = Inbox(config.bind("draft"), DraftInbox)
     results = Outbox(config.addresses.data)

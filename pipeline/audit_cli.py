@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction, config_flags: Any) -> None:
     verify.add_argument("request", help="request id (a unique prefix will do)")
     verify.add_argument("--model", metavar="PATH", help="target GGUF (default: the one recorded)")
     verify.add_argument("--draft-model", metavar="PATH", help="draft GGUF (default: the one recorded)")
+    verify.add_argument(
+        "--backend", metavar="KEY", help="runtime to recompute with (default: the one that served each step)"
+    )
 
 
 def _open(args: argparse.Namespace) -> AuditStore:
@@ -226,12 +229,13 @@ def cmd_stats(store: AuditStore, args: argparse.Namespace) -> int:
 def _models(opened: RequestOpened | None, steps: list[StepEvent], args: argparse.Namespace):
     """The target (and, when some step's p is a draft-model row, the draft model) to re-run."""
     from .audit_verify import uses_draft_rows
-    from .model import Model, default_model_path
+    from .model import default_model_path, load_model
     from .sampling import SamplingParams
 
     settings = opened.settings if opened is not None else {}
     target_path = Path(args.model or settings.get("model") or default_model_path())
-    target = Model.load(target_path)
+    backend = args.backend or served_backend(steps)
+    target = load_model(target_path, backend)
     params = msgspec.convert(settings.get("params", {}), SamplingParams)
     if not any(uses_draft_rows(s, params) for s in steps):
         return target, None
@@ -240,7 +244,18 @@ def _models(opened: RequestOpened | None, steps: list[StepEvent], args: argparse
         return target, None
     if Path(draft_path).resolve() == target_path.resolve():
         return target, target
-    return target, Model.load(draft_path)
+    return target, load_model(draft_path, backend)
+
+
+def served_backend(steps: list[StepEvent]) -> str:
+    """The runtime the verify lane recorded for the steps ("numpy:f32" for records made before
+    backends were recorded). A request whose steps name two runtimes (a lane restarted with
+    another setting) cannot be recomputed with one: that is an error, not a silent pick."""
+    backends = {step.backend or "numpy:f32" for step in steps}
+    if len(backends) > 1:
+        raise ValueError(f"the steps were served by several runtimes ({', '.join(sorted(backends))}): "
+                         "pass --backend to recompute with one of them")  # fmt: skip
+    return backends.pop() if backends else "auto"
 
 
 def cmd_verify(store: AuditStore, args: argparse.Namespace) -> int:

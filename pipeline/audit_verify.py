@@ -44,7 +44,7 @@ import numpy as np
 
 from .acceptance import Decision, residual
 from .messages import AuditEvent, RequestOpened, SpeculativeEvent, StepEvent
-from .model import Model
+from .model import Runtime
 from .output import OutputStream
 from .sampling import SamplingParams, target_probs
 from .tokenizer import Tokenizer
@@ -166,7 +166,7 @@ class RowSource:
     """A model's logits along one token sequence, fed forward in chunks as positions are asked
     for (in non-decreasing order), so memory stays bounded on long outputs."""
 
-    def __init__(self, model: Model, tokens: Sequence[int], chunk: int = 64) -> None:
+    def __init__(self, model: Runtime, tokens: Sequence[int], chunk: int = 64) -> None:
         self.model, self.tokens, self.chunk = model, list(tokens), chunk
         self.cache = model.new_cache(capacity=max(len(self.tokens), 1))
         self.start = 0  # position of buf[0]
@@ -236,7 +236,7 @@ def structure_problems(step: StepEvent) -> list[str]:
 class Verifier:
     """Walks one request's steps in order against the target's (and draft's) recomputed rows."""
 
-    def __init__(self, record: Record, target: Model, draft: Model | None) -> None:
+    def __init__(self, record: Record, target: Runtime, draft: Runtime | None) -> None:
         assert record.opened is not None
         self.record, self.opened = record, record.opened
         self.params = msgspec.convert(self.opened.settings["params"], SamplingParams)
@@ -380,7 +380,7 @@ def served_problems(record: Record, tokenizer: Tokenizer) -> list[str]:
     return problems
 
 
-def settings_problem(opened: RequestOpened, target: Model) -> str | None:
+def settings_problem(opened: RequestOpened, target: Runtime) -> str | None:
     try:
         msgspec.convert(opened.settings["params"], SamplingParams)
         int(opened.settings["seed"])
@@ -393,7 +393,7 @@ def settings_problem(opened: RequestOpened, target: Model) -> str | None:
 
 
 def verify_request(
-    request_id: str, events: Sequence[AuditEvent], target: Model, draft: Model | None = None
+    request_id: str, events: Sequence[AuditEvent], target: Runtime, draft: Runtime | None = None
 ) -> Report:
     """Check one request's events against the target (and the draft model, if it sampled)."""
     record = collect(request_id, events)

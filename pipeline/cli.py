@@ -29,6 +29,13 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_backend_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend", default="auto", metavar="NAME",
+        help="auto (default: torch where it runs, else numpy), torch, numpy, or a key such as torch:bf16",
+    )  # fmt: skip
+
+
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="pipeline configuration (TOML; see ops/speclanes.toml)")
     p.add_argument(
@@ -68,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate in-process and stream the text")
     gen.add_argument("--model", metavar="PATH", help="a llama-family GGUF (default: SmolLM2-135M-Instruct)")
+    _add_backend_flag(gen)
     gen.add_argument(
         "--drafter", choices=DRAFTERS, default="none", help="speculation drafter (default: none)"
     )
@@ -82,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     model_bench = bench_sub.add_parser("model", help="forward cost by block size vs the memory floor")
     model_bench.add_argument("--model", metavar="PATH")
+    model_bench.add_argument(
+        "--backends", default="torch,numpy", help="backends to measure side by side (first: the subject)"
+    )
     model_bench.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     model_bench.add_argument("--repeats", type=int, default=15)
     model_bench.add_argument("--json", action="store_true")
@@ -89,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "speculative", help="every drafter vs plain decoding on three workloads"
     )
     spec_bench.add_argument("--model", metavar="PATH")
+    _add_backend_flag(spec_bench)
     spec_bench.add_argument(
         "--draft-model", metavar="PATH", help="for the model drafter (default: the target)"
     )
@@ -161,10 +173,11 @@ def _sampling(args: argparse.Namespace):
     )
 
 
-def load_model(path: str | None):
-    from .model import Model, default_model_path
+def load_model(path: str | None, backend: str = "auto"):
+    from .model import default_model_path
+    from .model import load_model as load
 
-    return Model.load(path or default_model_path())
+    return load(path or default_model_path(), backend)
 
 
 def parse_k(text: str) -> int | None:
@@ -189,8 +202,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_iterations is not None and args.max_iterations < 1:
         raise ValueError("--max-iterations must be >= 1")
     messages = load_messages(args.messages) if args.messages else None
-    model = load_model(args.model)
-    draft_model = load_model(args.draft_model) if args.draft_model else None
+    model = load_model(args.model, args.backend)
+    draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
     source = make_draft_source(args.drafter, model, draft_model)
     assert model.tokenizer is not None
     prompt = prompt_tokens(model.tokenizer, args.prompt, chat=args.chat, messages=messages)

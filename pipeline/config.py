@@ -37,11 +37,26 @@ class Run(Section):
     )
     heartbeat_seconds: float = 0.5
     batch_window_seconds: float = 0.004  # how long the verifier waits to batch requests
+    # Prompt rows per verify-lane forward; the rest waits for the next forward, so other requests'
+    # steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
+    prefill_chunk: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefill_chunk <= 8192:
+            raise ValueError(f"run.prefill_chunk must be 0..8192, got {self.prefill_chunk}")
 
 
 class ModelSection(Section):
     path: str = ""  # empty: the embedded SmolLM2-135M-Instruct
     draft_path: str = ""  # a smaller GGUF with the same vocabulary, for the `model` drafter
+    # auto: the fast torch backend where this machine runs it, else the numpy reference (logged);
+    # torch/numpy: that one or a clear error. A key such as "torch:bf16" also picks the weight format.
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        name = self.backend.split(":", 1)[0]
+        if name not in ("auto", "torch", "numpy"):
+            raise ValueError(f"model.backend must be auto, torch or numpy, got {self.backend!r}")
 
 
 class Speculation(Section):

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
@@ -33,6 +34,7 @@ class LaneContext:
     def __init__(self, name: str, config: Config, telemetry: Telemetry) -> None:
         self.name, self.config, self.pid = name, config, os.getpid()
         self.state = SpeculativeState()
+        self.runtime: dict[str, Any] = {}  # set by a lane that holds a model (see model.backends)
         self.control = Outbox(config.addresses.control)
         self.telemetry = telemetry
 
@@ -54,7 +56,8 @@ class LaneContext:
         self.telemetry.fault(trace, kind, self.name, message, request_id=request_id, step=step)
 
     def heartbeat(self) -> None:
-        self.control.put_nowait(Heartbeat(lane=self.name, pid=self.pid, state=self.state))
+        beat = Heartbeat(lane=self.name, pid=self.pid, state=self.state, runtime=self.runtime)
+        self.control.put_nowait(beat)
 
     async def beat(self) -> None:
         while True:

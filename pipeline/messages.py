@@ -128,6 +128,7 @@ class Opened(Work, frozen=True, kw_only=True):
     u: float | None
     draws: int
     seconds: float
+    backend: str = ""  # the runtime that computed it ("torch:int4", "numpy:f32"): see model.backends
 
 
 class Verified(Work, frozen=True, kw_only=True):
@@ -138,6 +139,7 @@ class Verified(Work, frozen=True, kw_only=True):
     draws: int
     batch_size: int
     seconds: float
+    backend: str = ""
 
 
 class Drafted(Work, frozen=True, kw_only=True):
@@ -184,6 +186,7 @@ class StepEvent(AuditEvent, frozen=True, kw_only=True):
     final_u: float | None
     draws: int
     batch_size: int
+    backend: str = ""  # the verify lane's runtime for this step: `audit verify` recomputes with it
 
 
 class SpeculativeEvent(AuditEvent, frozen=True, kw_only=True):
@@ -257,6 +260,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     lane: str
     pid: int
     state: SpeculativeState
+    runtime: dict[str, Any] = {}  # a model lane's backend, kernel path and CPU flags
 
 
 class Shutdown(Message, frozen=True, kw_only=True):
@@ -322,6 +326,7 @@ class LaneStatus(msgspec.Struct, kw_only=True):
     restarts: int
     active_requests: int
     totals: SpeculativeState
+    runtime: dict[str, Any] = {}
 
 
 class StatusReport(Message, frozen=True, kw_only=True):

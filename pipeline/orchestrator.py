@@ -107,6 +107,7 @@ class LaneView:
     last_beat: float = 0.0
     slow_since: float | None = None  # a draft timed out; skip drafting until a newer heartbeat
     dead_pids: set[int] = field(default_factory=set)
+    runtime: dict[str, Any] = field(default_factory=dict)
     up: trio.Event = field(default_factory=trio.Event)
     snapshot_at: float = -math.inf  # when its totals last went to the audit trail
 
@@ -121,6 +122,7 @@ class LaneView:
             restarts=self.restarts,
             active_requests=self.totals.active_requests,
             totals=self.totals,
+            runtime=self.runtime,
         )
 
 
@@ -421,6 +423,7 @@ class Orchestrator:
                 decisions=[] if is_open else reply.decisions,  # type: ignore[union-attr]
                 final_u=reply.u if is_open else reply.final_u,  # type: ignore[union-attr]
                 draws=reply.draws, batch_size=1 if is_open else reply.batch_size,  # type: ignore[union-attr]
+                backend=reply.backend,
             )
         )  # fmt: skip
 
@@ -670,6 +673,7 @@ class Orchestrator:
                     continue
                 came_up = lane.state != "up"
                 lane.state, lane.pid, lane.totals, lane.last_beat = "up", msg.pid, msg.state, time.monotonic()
+                lane.runtime = msg.runtime
                 lane.up.set()
                 self.snapshot(lane)
                 if came_up:

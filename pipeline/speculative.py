@@ -15,7 +15,7 @@ import numpy as np
 from .acceptance import Decision, Verdict, verify
 from .adaptive import KController
 from .drafters import EMPTY, Drafter, DraftSource, Proposal
-from .model import Model
+from .model import Runtime
 from .output import OutputStream
 from .sampling import SamplingParams, make_rng, sample_from, target_probs
 from .tokenizer import Tokenizer
@@ -79,7 +79,7 @@ class Stats:
         }
 
 
-def check_prompt(model: Model, prompt_tokens: Sequence[int]) -> None:
+def check_prompt(model: Runtime, prompt_tokens: Sequence[int]) -> None:
     context = model.cfg.context_length
     if not prompt_tokens:
         raise PromptError("the prompt is empty")
@@ -190,7 +190,7 @@ class TargetState:
     can resume the same stream (`PCG64.advance`) and keep a seeded request reproducible."""
 
     def __init__(
-        self, model: Model, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int
+        self, model: Runtime, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int
     ) -> None:
         self.model, self.params, self.seed = model, params, seed
         bits = np.random.PCG64(seed)
@@ -201,9 +201,11 @@ class TargetState:
     def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
         """Feed `tokens`; sample the next token from the last position if asked."""
         logits = self.model.forward(self.cache, tokens, all_logits=False)
-        if not sample:
-            return None, None
-        token, u = sample_from(target_probs(logits[0], self.params), self.rng)
+        return self.first_token(logits[0]) if sample else (None, None)
+
+    def first_token(self, last_logits: np.ndarray) -> tuple[int, float | None]:
+        """The token after the prompt, from the prompt's last logits row (fed whole or in chunks)."""
+        token, u = sample_from(target_probs(last_logits, self.params), self.rng)
         self.draws += u is not None
         return token, u
 
@@ -216,7 +218,7 @@ class TargetState:
 
 
 def decode(
-    model: Model,
+    model: Runtime,
     prompt_tokens: Sequence[int],
     params: SamplingParams,
     source: DraftSource,

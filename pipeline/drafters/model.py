@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..model import Model
+from ..model import Runtime
 from ..model.errors import ModelFileError
 from ..sampling import SamplingParams, sample_from, target_probs
 from . import EMPTY, Proposal
 
 
-def check_same_vocabulary(target: Model, draft: Model) -> None:
+def check_same_vocabulary(target: Runtime, draft: Runtime) -> None:
     assert target.tokenizer is not None and draft.tokenizer is not None
     if target.cfg.vocab_size != draft.cfg.vocab_size or (
         target.tokenizer.hf.get_vocab() != draft.tokenizer.hf.get_vocab()
@@ -33,7 +33,7 @@ def check_same_vocabulary(target: Model, draft: Model) -> None:
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, model: Model, params: SamplingParams, rng: np.random.Generator) -> None:
+    def __init__(self, model: Runtime, params: SamplingParams, rng: np.random.Generator) -> None:
         self.model, self.params, self.rng = model, params, rng
         self.cache = model.new_cache()
         self.fed: list[int] = []  # tokens whose K/V are in the draft cache
@@ -78,7 +78,7 @@ class ModelDrafter:
 class ModelSource:
     name = "model"
 
-    def __init__(self, draft: Model, target: Model) -> None:
+    def __init__(self, draft: Runtime, target: Runtime) -> None:
         check_same_vocabulary(target, draft)
         self.draft = draft
 

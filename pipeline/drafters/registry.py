@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..model import Model
+from ..model import Runtime
 from . import DraftSource, NoDraftSource
 from .composite import CompositeSource
 from .model import ModelSource
@@ -12,7 +12,7 @@ from .suffix import SuffixSource
 DRAFTERS = ("none", "ngram", "suffix", "model", "auto")
 
 
-def make_draft_source(name: str, target: Model, draft_model: Model | None = None) -> DraftSource:
+def make_draft_source(name: str, target: Runtime, draft_model: Runtime | None = None) -> DraftSource:
     """`auto` chains the free drafters (n-gram, then the cross-request cache), then the model if given."""
     if name == "none":
         return NoDraftSource()
@@ -32,7 +32,7 @@ def make_draft_source(name: str, target: Model, draft_model: Model | None = None
     raise ValueError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
 
 
-def make_draft_sources(target: Model, draft_model: Model | None = None) -> dict[str, DraftSource]:
+def make_draft_sources(target: Runtime, draft_model: Runtime | None = None) -> dict[str, DraftSource]:
     """Every drafter a long-lived draft lane serves, sharing one cross-request suffix table."""
     suffix = SuffixSource()
     free: list[DraftSource] = [NgramSource(), suffix]

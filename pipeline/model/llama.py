@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,8 +103,35 @@ def causal_mask(start: int, rows: int) -> np.ndarray:
     return np.where(future, np.float32(-np.inf), np.float32(0.0))
 
 
+def validate_batch(cfg: ModelConfig, batch: Sequence[tuple[Any, Sequence[int]]]) -> list[np.ndarray]:
+    """Each sequence's new tokens as int64 arrays, checked, with room reserved in its cache.
+
+    Shared by both backends, so a bad batch is refused the same way and before any cache moves.
+    """
+    if len({id(cache) for cache, _ in batch}) != len(batch):
+        raise ValueError("a cache may appear only once in a batch")
+    ids = [np.asarray(tokens, dtype=np.int64).reshape(-1) for _, tokens in batch]
+    for t in ids:
+        if t.size == 0:
+            raise ValueError("every sequence in a batch needs at least one new token")
+        if t.min() < 0 or t.max() >= cfg.vocab_size:
+            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+    for (cache, _), t in zip(batch, ids, strict=True):
+        cache.reserve(cache.length + t.size)
+    return ids
+
+
 class Model:
-    """Prepared weights plus the forward pass; holds no per-sequence state."""
+    """Prepared weights plus the forward pass; holds no per-sequence state.
+
+    The reference backend ("numpy:f32"): dequantized float32 weights with the norms folded in,
+    float32 everywhere. Its products go through OpenBLAS, whose GEMV (one row) and GEMM (many
+    rows) sum in different orders, so unlike the torch backend its logits for a position may
+    differ in the last bits between a one-token step and a verify block.
+    """
+
+    backend = "numpy"
+    weight_format = "f32"
 
     def __init__(
         self, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer | None = None
@@ -129,6 +157,9 @@ class Model:
         cfg, weights, tokenizer = load_prepared(Path(path))
         return cls(cfg, weights, tokenizer)
 
+    def describe(self) -> str:
+        return f"numpy {np.__version__} f32 reference: dequantized float32 weights and activations (OpenBLAS)"
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.cfg, capacity)
 
@@ -141,15 +172,7 @@ class Model:
     ) -> list[np.ndarray]:
         """One step for several sequences: (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
         cfg = self.cfg
-        if len({id(cache) for cache, _ in batch}) != len(batch):
-            raise ValueError("a cache may appear only once in a batch")
-        ids = [np.asarray(tokens, dtype=np.int64).reshape(-1) for _, tokens in batch]
-        for (cache, _), t in zip(batch, ids, strict=True):
-            if t.size == 0:
-                raise ValueError("every sequence in a batch needs at least one new token")
-            if t.min() < 0 or t.max() >= cfg.vocab_size:
-                raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
-            cache.reserve(cache.length + t.size)
+        ids = validate_batch(cfg, batch)
         spans = np.cumsum([0, *(t.size for t in ids)])
         positions = np.concatenate(
             [c.length + np.arange(t.size) for (c, _), t in zip(batch, ids, strict=True)]

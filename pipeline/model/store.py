@@ -71,14 +71,19 @@ def _read(directory: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
     return cfg, weights, tokenizer
 
 
+def cache_directory(path: Path) -> Path:
+    """Where every prepared form of the model file at `path` lives, keyed by its content."""
+    path = Path(path)
+    return cache_root() / f"{_hash_memo(path) if path.is_file() else 'missing'}-v{FORMAT_VERSION}"
+
+
 def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
     """Prepared weights for `path`, from the cache or prepared now and cached.
 
     The directory is filled under a temporary name and renamed into place, so a
     reader never sees half a cache and two processes preparing at once both win.
     """
-    path = Path(path)
-    directory = cache_root() / f"{_hash_memo(path) if path.is_file() else 'missing'}-v{FORMAT_VERSION}"
+    directory = cache_directory(path)
     if (directory / "manifest.json").is_file():
         return _read(directory)
     cfg, weights, meta = read_gguf(path)
