@@ -36,9 +36,18 @@ def tiny_model_file(tmp_path: Path):
 
 @pytest.fixture(scope="session")
 def smollm2():
+    """The default model on the numpy float32 reference backend (the oracle)."""
     from pipeline.model import Model, default_model_path
 
     return Model.load(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def served_model():
+    """The default model on the backend a pipeline serves it with by default (`model.backend=auto`)."""
+    from pipeline.model import default_model_path, load_model
+
+    return load_model(default_model_path())
 
 
 @pytest.fixture(scope="session")

@@ -157,16 +157,16 @@ _references: dict[tuple[str, bool, int], tuple[Completion, int]] = {}
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
-    """`speclanes generate` in-process (drafter none, greedy): the text and the prompt length."""
+def reference(served_model):
+    """`speclanes generate` in-process (drafter none, greedy, the pipeline's backend): text, prompt length."""
 
     def run(prompt: str, chat: bool = True, max_tokens: int = 32) -> tuple[Completion, int]:
         key = (prompt, chat, max_tokens)
         if key not in _references:
-            tokens = prompt_tokens(smollm2.tokenizer, prompt, chat=chat)
+            tokens = prompt_tokens(served_model.tokenizer, prompt, chat=chat)
             params = SamplingParams(max_tokens=max_tokens)
-            source = make_draft_source("none", smollm2, None)
-            _references[key] = (decode(smollm2, tokens, params, source, k=0), len(tokens))
+            source = make_draft_source("none", served_model, None)
+            _references[key] = (decode(served_model, tokens, params, source, k=0), len(tokens))
         return _references[key]
 
     return run

@@ -73,9 +73,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory):
 
 @cache
 def _reference(prompt: str, params: SamplingParams, drafter: str, k: int | None):
-    from pipeline.model import Model
+    from pipeline.model import load_model
 
-    model = Model.load(default_model_path())
+    model = load_model(default_model_path())  # the backend the pipeline serves with (auto)
     assert model.tokenizer is not None
     tokens = prompt_tokens(model.tokenizer, prompt, chat=True)
     source = make_draft_source(drafter, model, model if drafter == "model" else None)
