@@ -32,7 +32,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def _add_backend_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend", default="auto", metavar="NAME",
-        help="auto (default: torch where it runs, else numpy), torch, numpy, or a key such as torch:bf16",
+        help="auto (default: native where it runs, else numpy), native, torch, numpy, or a key (torch:bf16)",
     )  # fmt: skip
 
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_bench = bench_sub.add_parser("model", help="forward cost by block size vs the memory floor")
     model_bench.add_argument("--model", metavar="PATH")
     model_bench.add_argument(
-        "--backends", default="torch,numpy", help="backends to measure side by side (first: the subject)"
+        "--backends", default="native,torch,numpy", help="backends side by side (first: the subject)"
     )
     model_bench.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     model_bench.add_argument("--repeats", type=int, default=15)

@@ -49,14 +49,14 @@ class Run(Section):
 class ModelSection(Section):
     path: str = ""  # empty: the embedded SmolLM2-135M-Instruct
     draft_path: str = ""  # a smaller GGUF with the same vocabulary, for the `model` drafter
-    # auto: the fast torch backend where this machine runs it, else the numpy reference (logged);
-    # torch/numpy: that one or a clear error. A key such as "torch:bf16" also picks the weight format.
+    # auto: the native backend where this machine builds its kernels, else the numpy reference (logged);
+    # native/torch/numpy: that one or a clear error. A key such as "torch:bf16" also picks the format.
     backend: str = "auto"
 
     def __post_init__(self) -> None:
         name = self.backend.split(":", 1)[0]
-        if name not in ("auto", "torch", "numpy"):
-            raise ValueError(f"model.backend must be auto, torch or numpy, got {self.backend!r}")
+        if name not in ("auto", "native", "torch", "numpy"):
+            raise ValueError(f"model.backend must be auto, native, torch or numpy, got {self.backend!r}")
 
 
 class Speculation(Section):

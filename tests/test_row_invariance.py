@@ -1,4 +1,4 @@
-"""Row invariance of the torch backend, bit for bit (`np.array_equal`, never a tolerance).
+"""Row invariance of the fast backends (native and torch), bit for bit (`np.array_equal`, never a tolerance).
 
 A position's logits must depend only on its sequence's tokens: not on how many new tokens the
 forward carries, not on which other sequences share it or how long they are, not on whether
@@ -35,12 +35,18 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(SPECS), ids=list(SPECS))
+FAST_BACKENDS = ("native", "torch")
+
+
+@pytest.fixture(
+    scope="module", params=[(s, b) for s in SPECS for b in FAST_BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}"
+)
 def tiny(request, tmp_path_factory):
-    spec = SPECS[request.param]
+    name, backend = request.param
+    spec = SPECS[name]
     path = tmp_path_factory.mktemp("rowinv") / "tiny.gguf"
     weights = write_tiny_gguf(path, spec)
-    return load_model(path, "torch"), spec, weights
+    return load_model(path, backend), spec, weights
 
 
 def one_at_a_time(model, tokens: list[int]) -> np.ndarray:
@@ -118,7 +124,7 @@ def test_rollback_then_refeed_gives_the_same_bits(tiny):
 
 
 def test_torch_backend_stays_close_to_the_float64_reference(tiny):
-    """Not a bitwise property: the fast target computes in bf16 activations. The distance is
+    """Not a bitwise property: the fast targets quantize activations (int8 or bf16). The distance is
     reported so a regression in the kernels (a wrong layout, a lost bias) shows as a jump."""
     model, spec, weights = tiny
     tokens = list(np.random.default_rng(3).integers(3, 267, size=30))
@@ -126,8 +132,11 @@ def test_torch_backend_stays_close_to_the_float64_reference(tiny):
     want = reference_logits(weights, spec, tokens)
     distance = float(np.abs(got - want).max())
     scale = float(np.abs(want).max())
-    print(f"{spec.quant} {spec.architecture}: max |torch - f64| {distance:.4f} on logits up to {scale:.1f}")
-    assert distance < 0.02 * scale
+    print(
+        f"{model.backend} {spec.quant} {spec.architecture}: "
+        f"max |fast - f64| {distance:.4f}, logits up to {scale:.1f}"
+    )
+    assert distance < 0.05 * scale
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
@@ -144,15 +153,15 @@ def near_tie_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     return weights
 
 
-@pytest.fixture(scope="module")
-def flat_models(tmp_path_factory):
+@pytest.fixture(scope="module", params=FAST_BACKENDS)
+def flat_models(request, tmp_path_factory):
     """Target and draft with near-tied logits: where a runtime that is not row-invariant would
     pick different argmaxes in a block and alone."""
     root = tmp_path_factory.mktemp("flat")
     for name, scale in (("target", 1.0), ("draft", 0.8)):
         spec = TinySpec(seed=31, scale=scale, quant="Q4_1")
         write_tiny_gguf(root / f"{name}.gguf", replace(spec, weights=near_tie_weights(spec)))
-    return load_model(root / "target.gguf", "torch"), load_model(root / "draft.gguf", "torch")
+    return load_model(root / "target.gguf", request.param), load_model(root / "draft.gguf", request.param)
 
 
 @settings(max_examples=30, deadline=None)
@@ -189,7 +198,7 @@ def test_flat_target_really_has_near_ties(flat_models):
 
 def test_default_model_logits_are_row_invariant(served_model):
     model = served_model
-    if model.backend != "torch":
+    if model.backend == "numpy":
         pytest.skip(f"the default backend here is {model.backend}")
     tokens = model.tokenizer.encode("Row invariance: the same position, the same bits, whatever the block.")
     tokens = (tokens * 3)[:48]

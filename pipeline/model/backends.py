@@ -1,10 +1,16 @@
-"""Which runtime serves a model: the fast torch backend, or the numpy float32 reference.
+"""Which runtime serves a model: native (the default), torch, or the numpy float32 reference.
 
-`auto` takes torch wherever this machine can run it and says why when it cannot; naming a
-backend explicitly never falls back: a machine that lacks it gives one clear error line.
-A backend key ("torch:int4", "numpy:f32") names exactly which numbers were computed; it
-travels with every verify result into the audit store, so `audit verify` recomputes a
-request with the runtime that served it.
+- native: the GGUF's own 4/8-bit blocks times 8-bit activations with exact integer sums, in C
+  kernels built for this CPU (AVX512-VNNI where it has it, portable C with the same bits
+  elsewhere); the fastest row-invariant path measured on every machine so far.
+- torch: torch's int4 group-32 (or bf16) products around the same row-invariant C kernels.
+- numpy: the float32 reference, the oracle in tests; not row-invariant (see llama.Model).
+
+`auto` takes native wherever this machine can build its kernels and says why when it cannot;
+naming a backend explicitly never falls back: a machine that lacks it gives one clear error
+line. A backend key ("native:q8", "torch:int4", "numpy:f32") names exactly which numbers were
+computed; it travels with every verify result into the audit store, so `audit verify`
+recomputes a request with the runtime that served it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import BackendUnavailable
 
-BACKENDS = ("auto", "torch", "numpy")
+BACKENDS = ("auto", "native", "torch", "numpy")
 log = logging.getLogger(__name__)
 
 
@@ -41,14 +47,14 @@ def backend_key(model: Runtime) -> str:
     return f"{model.backend}:{model.weight_format}"
 
 
-def torch_problem() -> str | None:
-    """Why the torch backend cannot run here, or None when it can."""
+def backend_problem(name: str) -> str | None:
+    """Why backend `name` cannot run here, or None when it can."""
     from .native import compiler, have_compiler
 
-    if importlib.util.find_spec("torch") is None:
+    if name == "torch" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch==2.13.0)"
     if not have_compiler():
-        return f"no C compiler ({compiler()}) for its row kernels"
+        return f"no C compiler ({compiler()}) for its kernels"
     return None
 
 
@@ -58,17 +64,18 @@ def resolve_backend(name: str) -> str:
         raise BackendUnavailable(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name == "numpy":
         return name
-    problem = torch_problem()
+    concrete = "native" if name == "auto" else name
+    problem = backend_problem(concrete)
     if problem is None:
-        return "torch"
-    if name == "torch":
-        raise BackendUnavailable(f"the torch backend cannot run on this machine: {problem}")
-    log.warning("using the numpy reference backend: the torch backend cannot run here (%s)", problem)
+        return concrete
+    if name != "auto":
+        raise BackendUnavailable(f"the {name} backend cannot run on this machine: {problem}")
+    log.warning("using the numpy reference backend: the native backend cannot run here (%s)", problem)
     return "numpy"
 
 
 def load_model(path: str | Path, backend: str = "auto", weight_format: str | None = None) -> Runtime:
-    """The model at `path` on `backend` ("auto", "torch", "numpy", or a key such as "torch:int4")."""
+    """The model at `path` on `backend` ("auto", "native", "torch", "numpy", or a key "torch:int4")."""
     if ":" in backend:
         backend, weight_format = backend.split(":", 1)
     chosen = resolve_backend(backend)
@@ -78,6 +85,6 @@ def load_model(path: str | Path, backend: str = "auto", weight_format: str | Non
         if weight_format not in (None, "f32"):
             raise BackendUnavailable(f"the numpy backend computes in f32 only, not {weight_format!r}")
         return Model.load(path)
-    from .torch_llama import TorchModel
+    from .fast_store import load_fast
 
-    return TorchModel.load(path, weight_format)
+    return load_fast(Path(path), chosen, weight_format)

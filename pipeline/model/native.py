@@ -1,11 +1,12 @@
-"""Builds and loads `rowkernels.c`, the torch backend's row-invariant non-product kernels.
+"""Builds and loads the fast runtime's C kernels: `rowkernels.c` (norms, RoPE and attention, SiLU)
+and `products.c` (the GGUF's 4/8-bit blocks times 8-bit activations).
 
 They are compiled on first use with the machine's C compiler for the machine's own CPU
 (`-march=native`), into the weight cache under a key of the source, the flags and the CPU
 flags, so a machine never loads a library built for another. `-ffp-contract=off` and no
 fast-math keep every sum in the order the source writes it (see the file's header).
-The library links OpenMP by its soname, so it shares the thread pool torch has already
-loaded instead of bringing a second one that would spin against it.
+The library links OpenMP by its soname (libgomp.so.1), so in a process that has imported torch
+it shares torch's thread pool instead of bringing a second one that would spin against it.
 """
 
 from __future__ import annotations
@@ -24,19 +25,58 @@ from .cpu import cpu_flags
 from .errors import BackendUnavailable
 from .store import cache_root
 
-SOURCE = Path(__file__).with_name("rowkernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernels.c", "products.c", "layers.c"))
+HEADERS = (Path(__file__).with_name("kernels.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
-    "rms_norm_bf16": (_P, _I, _I, _P, _F, _P),
     "rms_norm_f32": (_P, _I, _I, _P, _F, _P),
-    "add_rms_norm_bf16": (_P, _P, _I, _I, _P, _F, _P),
-    "add_bf16": (_P, _P, _I),
-    "silu_mul_bf16": (_P, _I, _I, _P),
-    "rope_attend_bf16": (_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P),
-    "head_q8_0": (_P, _I, _I, _P, _P, _I, _P),
+    "add_rms_norm_f32": (_P, _P, _I, _I, _P, _F, _P),
+    "add_f32": (_P, _P, _I),
+    "silu_mul_f32": (_P, _I, _I, _P),
+    "rope_attend_f32": (_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P),
+    "quantize_q8": (_P, _I, _I, _P, _P, _P),
+    "gemm_q4": (_P, _P, _P, _I, _I, _P, _I, _P),
+    "gemm_q8": (_P, _P, _I, _I, _P, _I, _P),
+    "has_vnni": (),
 }
+
+
+class CMatrix(ctypes.Structure):
+    _fields_ = (("data", _P), ("kind", _I), ("n_out", _I), ("n_in", _I))
+
+
+class CLayer(ctypes.Structure):
+    _fields_ = (("attn_norm", _P), ("ffn_norm", _P), ("bias", _P), ("qkv", CMatrix), ("o", CMatrix),
+                ("gate_up", CMatrix), ("down", CMatrix))  # fmt: skip
+
+
+class CSequence(ctypes.Structure):
+    _fields_ = (("first_row", _I), ("rows", _I), ("start", _I), ("cap", _I), ("kt", _P), ("v", _P))
+
+
+class CScratch(ctypes.Structure):
+    _fields_ = tuple((name, _P) for name in ("h", "qkv", "attn", "gate_up", "act", "out", "xq", "dx", "sx"))
+
+
+SIGNATURES["forward_layers"] = (
+    _P,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _I,
+    _F,
+    _P,
+    _P,
+    ctypes.POINTER(CLayer),
+    _I,
+    ctypes.POINTER(CSequence),
+    _I,
+    ctypes.POINTER(CScratch),
+)
 
 
 def compiler() -> str:
@@ -44,7 +84,10 @@ def compiler() -> str:
 
 
 def library_key() -> str:
-    text = SOURCE.read_bytes() + " ".join((compiler(), *FLAGS, *sorted(cpu_flags()))).encode()
+    text = (
+        b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+        + " ".join((compiler(), *FLAGS, *sorted(cpu_flags()))).encode()
+    )
     return hashlib.sha256(text).hexdigest()[:16]
 
 
@@ -53,14 +96,15 @@ def _build(target: Path) -> None:
     fd, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler(), *FLAGS, str(SOURCE), "-o", staging, "-lm"]
+        command = [compiler(), *FLAGS, *map(str, SOURCES), "-o", staging, "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise BackendUnavailable(f"the torch backend's row kernels need a C compiler ({exc})") from None
+            raise BackendUnavailable(f"the fast backends' kernels need a C compiler ({exc})") from None
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise BackendUnavailable(f"compiling the torch backend's row kernels failed: {last}")
+            lines = done.stderr.strip().splitlines() or ["no output"]
+            last = next((line for line in lines if "error" in line), lines[-1])
+            raise BackendUnavailable(f"compiling the fast backends' kernels failed: {last}")
         os.replace(staging, target)  # atomic: a concurrent loader sees the whole file or none
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -70,15 +114,13 @@ def _build(target: Path) -> None:
 @cache
 def row_kernels() -> ctypes.CDLL:
     """The loaded library, built first if this machine has none yet."""
-    import torch  # noqa: F401  (loads torch's libgomp first, so the library shares its thread pool)
-
     target = cache_root() / "native" / library_key() / "rowkernels.so"
     if not target.is_file():
         _build(target)
     library = ctypes.CDLL(str(target))
     for name, argtypes in SIGNATURES.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes, function.restype = argtypes, (ctypes.c_int if name == "has_vnni" else None)
     return library
 
 

@@ -3,10 +3,12 @@
  * The rule that makes a position's logits independent of how many rows share a forward: every
  * value a row produces is computed by the same instructions in the same order, whatever the
  * other rows are. So
- *   - element-wise work (RoPE, SiLU, bf16 rounding) is plain IEEE arithmetic, compiled with
+ *   - element-wise work (RoPE, SiLU) is plain IEEE arithmetic, compiled with
  *     -ffp-contract=off so that a vectorised body and its scalar tail compute bit-identical values;
  *   - every reduction has an order fixed by this source: over head_dim in index order, over keys
- *     either in index order or into 16 lanes chosen by the key's index, then a fixed tree;
+ *     either in index order or into 16 lanes chosen by the key's index, then a fixed tree; the
+ *     dot products are explicit fmaf chains, one rounding per step in the vector body and the
+ *     scalar tail alike;
  *   - a query row attends to keys 0..p of its own sequence, where p is its position, and never
  *     sees a mask or a padding that depends on the block it came in;
  *   - threads split whole (kv head, row) units, never a reduction.
@@ -17,23 +19,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #define LANES 16
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept quiet). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* exp by range reduction and a Cephes polynomial: branch-free, so it vectorises, and each input's
  * value is the same in a vector lane or in a scalar tail. Relative error about 2 ulp. */
@@ -74,18 +65,7 @@ static float rms_inverse(const float *x, int dim, float eps, float *sq) {
     return 1.0f / sqrtf(lane_sum(sq, dim) / (float)dim + eps);
 }
 
-/* out[r] = bf16(x[r] * rms_inverse * w); the weight is the norm's own, not folded. */
-void rms_norm_bf16(const float *x, int rows, int dim, const float *w, float eps, uint16_t *out) {
-    float *sq = malloc(sizeof(float) * dim);
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * dim;
-        float inv = rms_inverse(xr, dim, eps, sq);
-        for (int i = 0; i < dim; i++) out[(size_t)r * dim + i] = f32_to_bf16(xr[i] * inv * w[i]);
-    }
-    free(sq);
-}
-
-/* The same in float32, for the final norm ahead of the head. */
+/* out[r] = x[r] * rms_inverse * w; the weight is the norm's own, not folded. */
 void rms_norm_f32(const float *x, int rows, int dim, const float *w, float eps, float *out) {
     float *sq = malloc(sizeof(float) * dim);
     for (int r = 0; r < rows; r++) {
@@ -96,28 +76,24 @@ void rms_norm_f32(const float *x, int rows, int dim, const float *w, float eps, 
     free(sq);
 }
 
-/* x += bf16 delta, then the next norm: the residual add and the norm that reads it, in one pass. */
-void add_rms_norm_bf16(float *x, const uint16_t *delta, int rows, int dim, const float *w, float eps,
-                       uint16_t *out) {
+/* x += delta, then the next norm: the residual add and the norm that reads it, in one pass. */
+void add_rms_norm_f32(float *x, const float *delta, int rows, int dim, const float *w, float eps, float *out) {
     size_t n = (size_t)rows * dim;
-    for (size_t i = 0; i < n; i++) x[i] += bf16_to_f32(delta[i]);
-    rms_norm_bf16(x, rows, dim, w, eps, out);
+    for (size_t i = 0; i < n; i++) x[i] += delta[i];
+    rms_norm_f32(x, rows, dim, w, eps, out);
 }
 
-/* x += bf16 delta (the last layer's residual, before the final norm is taken in float32). */
-void add_bf16(float *x, const uint16_t *delta, int n) {
-    for (int i = 0; i < n; i++) x[i] += bf16_to_f32(delta[i]);
+/* x += delta (the last layer's residual, before the final norm). */
+void add_f32(float *x, const float *delta, int n) {
+    for (int i = 0; i < n; i++) x[i] += delta[i];
 }
 
-/* gate_up (rows, 2*ff) bf16 -> bf16(silu(gate) * up) (rows, ff). */
-void silu_mul_bf16(const uint16_t *gate_up, int rows, int ff, uint16_t *out) {
+/* gate_up (rows, 2 ff) -> silu(gate) * up (rows, ff). */
+void silu_mul_f32(const float *gate_up, int rows, int ff, float *out) {
     for (int r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + (size_t)r * 2 * ff, *u = g + ff;
-        uint16_t *o = out + (size_t)r * ff;
-        for (int i = 0; i < ff; i++) {
-            float gv = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(gv / (1.0f + exp_rowinv(-gv)) * bf16_to_f32(u[i]));
-        }
+        const float *g = gate_up + (size_t)r * 2 * ff, *u = g + ff;
+        float *o = out + (size_t)r * ff;
+        for (int i = 0; i < ff; i++) o[i] = g[i] / (1.0f + exp_rowinv(-g[i])) * u[i];
     }
 }
 
@@ -131,22 +107,146 @@ static void rope_head(float *v, const float *cos, const float *sin, int hd) {
     }
 }
 
+/* The queries of one kv head's group (G heads, one row) against keys [j0, j0 + width), width <=
+ * KEYS: each key block is loaded once for all G queries. Every score is the fma chain over
+ * head_dim in index order: the same chain in the vector body and in a scalar tail, and the same
+ * whatever G is, so grouping changes speed, not bits. */
+#define KEYS 32
+#define MAX_GROUP 8
+static void score_block(const float *const *q, int G, const float *kt, int cap, int hd, int j0,
+                               int width, float *const *scores) {
+    float s[MAX_GROUP][KEYS];
+    memset(s, 0, sizeof s);
+    for (int i = 0; i < hd; i++) {
+        const float *krow = kt + (size_t)i * cap + j0;
+        float k[KEYS];
+        if (width == KEYS)
+            memcpy(k, krow, sizeof k);
+        else
+            for (int j = 0; j < KEYS; j++) k[j] = j < width ? krow[j] : 0.0f;
+        for (int g = 0; g < G; g++) {
+            float qi = q[g][i];
+            for (int j = 0; j < KEYS; j++) s[g][j] = fmaf(qi, k[j], s[g][j]);
+        }
+    }
+    for (int g = 0; g < G; g++) memcpy(scores[g] + j0, s[g], sizeof(float) * width);
+}
+
+/* out[g] = inv[g] * sum_j weights[g][j] v_j: an fma chain over keys in index order per element,
+ * each value row loaded once for the G heads (head_dim <= MAX_HEAD_DIM). */
+#define MAX_HEAD_DIM 256
+static void weigh_values(float *const *weights, int G, const float *v,
+                                                               int n, int hd, const float *inv, float *out) {
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < hd; i++) acc[g][i] = 0.0f;
+    for (int j = 0; j < n; j++) {
+        const float *vj = v + (size_t)j * hd;
+        for (int g = 0; g < G; g++) {
+            float w = weights[g][j];
+            for (int i = 0; i < hd; i++) acc[g][i] = fmaf(w, vj[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < hd; i++) out[(size_t)g * hd + i] = acc[g][i] * inv[g];
+}
+
+#ifdef __AVX512F__
+/* SmolLM2's shape (3 heads per kv head, head_dim 64) in AVX-512 registers: the same fma chains as
+ * score_block and weigh_values (a masked load zeroes the lanes past the last key), so the same bits. */
+static void scores_3x64(const float *const *q, const float *kt, int cap, int n, float *const *scores) {
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        __mmask16 lanes = n - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
+        for (int i = 0; i < 64; i++) {
+            __m512 k = _mm512_maskz_loadu_ps(lanes, kt + (size_t)i * cap + j0);
+            s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[0][i]), k, s0);
+            s1 = _mm512_fmadd_ps(_mm512_set1_ps(q[1][i]), k, s1);
+            s2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2][i]), k, s2);
+        }
+        _mm512_mask_storeu_ps(scores[0] + j0, lanes, s0);
+        _mm512_mask_storeu_ps(scores[1] + j0, lanes, s1);
+        _mm512_mask_storeu_ps(scores[2] + j0, lanes, s2);
+    }
+}
+
+static void values_3x64(float *const *weights, const float *v, int n, const float *inv, float *out) {
+    __m512 acc[3][4];
+    for (int g = 0; g < 3; g++)
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float *vj = v + (size_t)j * 64;
+        __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
+               v3 = _mm512_loadu_ps(vj + 48);
+        for (int g = 0; g < 3; g++) {
+            __m512 w = _mm512_set1_ps(weights[g][j]);
+            acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < 3; g++)
+        for (int c = 0; c < 4; c++)
+            _mm512_storeu_ps(out + (size_t)g * 64 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+#define FAST_3x64 1
+#endif
+
+/* softmax(q K^T) V over keys 0..n-1 for the G heads of one kv head and one row; q already scaled. */
+static void attend_group(const float *q, int G, const float *kt, const float *v, int n, int cap, int hd,
+                         float *out) {
+    const float *qs[MAX_GROUP];
+    float *scores[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        qs[g] = q + (size_t)g * hd;
+        scores[g] = malloc(sizeof(float) * ((size_t)n + KEYS));
+    }
+#ifdef FAST_3x64
+    int fast = G == 3 && hd == 64;
+#else
+    int fast = 0;
+#endif
+    if (fast) {
+#ifdef FAST_3x64
+        scores_3x64(qs, kt, cap, n, scores);
+#endif
+    } else {
+        for (int j0 = 0; j0 < n; j0 += KEYS) score_block(qs, G, kt, cap, hd, j0, n - j0 < KEYS ? n - j0 : KEYS, scores);
+    }
+    float inv[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        float m = scores[g][0];
+        for (int j = 1; j < n; j++) m = scores[g][j] > m ? scores[g][j] : m;
+        for (int j = 0; j < n; j++) scores[g][j] = exp_rowinv(scores[g][j] - m);
+        inv[g] = 1.0f / lane_sum(scores[g], n);
+    }
+    if (fast) {
+#ifdef FAST_3x64
+        values_3x64(scores, v, n, inv, out);
+#endif
+    } else {
+        weigh_values(scores, G, v, n, hd, inv, out);
+    }
+    for (int g = 0; g < G; g++) free(scores[g]);
+}
+
 /* One sequence's causal GQA attention for one layer.
  *
- * qkv: (rows, (n_heads + 2 n_kv) hd) bf16, the fused projection; bias: its float32 bias or NULL. Row r sits at
+ * qkv: (rows, (n_heads + 2 n_kv) hd), the fused projection; bias: its bias or NULL. Row r sits at
  * position start + r. Its K/V are rotated and written into the cache (kt: (n_kv, hd, cap), keys
  * transposed; v: (n_kv, cap, hd)), then every row attends to keys 0..start+r. out: (rows, n_heads
- * hd) bf16. cos/sin: (context, hd/2) tables. scale: 1/sqrt(hd).
+ * hd). cos/sin: (context, hd/2) tables. scale: 1/sqrt(hd).
  */
-void rope_attend_bf16(const uint16_t *qkv, const float *bias, int rows, int start, const float *cos,
+void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, const float *cos,
                       const float *sin, float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale,
-                      uint16_t *out) {
+                     float *out) {
     int half = hd / 2, group = n_heads / n_kv, width = (n_heads + 2 * n_kv) * hd;
     float *q = malloc(sizeof(float) * (size_t)rows * n_heads * hd);
     float *kv = malloc(sizeof(float) * hd), *row = malloc(sizeof(float) * width);
     for (int r = 0; r < rows; r++) {
         int pos = start + r;
-        for (int i = 0; i < width; i++) row[i] = bf16_to_f32(qkv[(size_t)r * width + i]) + (bias ? bias[i] : 0.0f);
+        for (int i = 0; i < width; i++) row[i] = qkv[(size_t)r * width + i] + (bias ? bias[i] : 0.0f);
         const float *src = row;
         const float *c = cos + (size_t)pos * half, *s = sin + (size_t)pos * half;
         for (int h = 0; h < n_heads; h++) {
@@ -166,68 +266,16 @@ void rope_attend_bf16(const uint16_t *qkv, const float *bias, int rows, int star
     free(kv);
     free(row);
     int units = n_kv * rows;
-#pragma omp parallel for schedule(static) if (units > 1 && (size_t)rows * (start + rows) > 4096)
+    size_t work = (size_t)units * group * (start + rows) * hd;
+#pragma omp parallel for schedule(static) if (units > 1 && work > 32768)
     for (int unit = 0; unit < units; unit++) {
-        int h = unit / rows, r = unit % rows, n = start + r + 1;
-        const float *kth = kt + (size_t)h * hd * cap, *vh = v + (size_t)h * cap * hd;
-        float *scores = malloc(sizeof(float) * (size_t)n);
-        float *acc = malloc(sizeof(float) * hd);
-        for (int g = 0; g < group; g++) {
-            int head = h * group + g;
-            const float *qh = q + ((size_t)r * n_heads + head) * hd;
-            for (int j = 0; j < n; j++) scores[j] = 0.0f;
-            for (int i = 0; i < hd; i++) {
-                float qi = qh[i];
-                const float *krow = kth + (size_t)i * cap;
-                for (int j = 0; j < n; j++) scores[j] += qi * krow[j];
-            }
-            float m = scores[0];
-            for (int j = 1; j < n; j++) m = scores[j] > m ? scores[j] : m;
-            for (int j = 0; j < n; j++) scores[j] = exp_rowinv(scores[j] - m);
-            float inv = 1.0f / lane_sum(scores, n);
-            for (int i = 0; i < hd; i++) acc[i] = 0.0f;
-            for (int j = 0; j < n; j++) {
-                float wj = scores[j];
-                const float *vj = vh + (size_t)j * hd;
-                for (int i = 0; i < hd; i++) acc[i] += wj * vj[i];
-            }
-            uint16_t *o = out + ((size_t)r * n_heads + head) * hd;
-            for (int i = 0; i < hd; i++) o[i] = f32_to_bf16(acc[i] * inv);
+        int h = unit % n_kv, r = unit / n_kv, n = start + r + 1;
+        for (int g0 = 0; g0 < group; g0 += MAX_GROUP) {
+            int G = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP, head = h * group + g0;
+            attend_group(q + ((size_t)r * n_heads + head) * hd, G, kt + (size_t)h * hd * cap,
+                         v + (size_t)h * cap * hd, n, cap, hd, out + ((size_t)r * n_heads + head) * hd);
         }
-        free(acc);
-        free(scores);
     }
     free(q);
 }
 
-/* The LM head: logits (rows, vocab) float32 = x (rows, dim) float32 times W^T, W held as Q8_0
- * (int8 values q (vocab, dim), one float32 scale per 32 of a row), so the weights are exactly the
- * file's. Each logit is one dot product in 16 lanes by index and a fixed tree, whatever the row
- * count; threads split the vocabulary, never a dot product. */
-void head_q8_0(const float *x, int rows, int dim, const int8_t *q, const float *scale, int vocab,
-               float *out) {
-    int blocks = dim / 32;
-#pragma omp parallel
-    {
-        float *w = malloc(sizeof(float) * dim);
-#pragma omp for schedule(static)
-        for (int n = 0; n < vocab; n++) {
-            const int8_t *qn = q + (size_t)n * dim;
-            const float *sn = scale + (size_t)n * blocks;
-            for (int b = 0; b < blocks; b++)
-                for (int i = 0; i < 32; i++) w[b * 32 + i] = sn[b] * (float)qn[b * 32 + i];
-            for (int r = 0; r < rows; r++) {
-                const float *xr = x + (size_t)r * dim;
-                float acc[LANES] = {0};
-                int i = 0;
-                for (; i + LANES <= dim; i += LANES)
-                    for (int l = 0; l < LANES; l++) acc[l] += xr[i + l] * w[i + l];
-                for (int l = 0; i + l < dim; l++) acc[l] += xr[i + l] * w[i + l];
-                for (int width = LANES / 2; width > 0; width /= 2)
-                    for (int l = 0; l < width; l++) acc[l] += acc[l + width];
-                out[(size_t)r * vocab + n] = acc[0];
-            }
-        }
-        free(w);
-    }
-}

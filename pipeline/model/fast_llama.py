@@ -1,0 +1,189 @@
+"""The fast runtime: row-invariant C kernels around a pluggable weight product.
+
+A layer is four weight products (`fast_products`: the native 4/8-bit kernels, or torch's) and
+four calls into `rowkernels.c` (norm, RoPE and attention, SiLU, residual-plus-norm). Every one
+of them computes a row's values with the same instructions whatever the other rows are, which
+`tests/test_row_invariance.py` checks bit for bit; so a position's logits depend neither on
+the block size, nor on the batch, nor on prefill chunking.
+
+Float32 throughout between the products: residual stream, norms, RoPE, attention, KV cache.
+What the products compute is the backend's `describe()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..tokenizer import Tokenizer
+from .config import ModelConfig
+from .fast_products import NativeProducts
+from .llama import Rope, validate_batch
+from .native import CLayer, CMatrix, CScratch, CSequence, row_kernels
+from .native_weights import NativeMatrix
+
+
+class RowCache:
+    """One sequence's keys (transposed: head_dim before position) and values, float32.
+
+    The same contract as the reference's KVCache: `length`, `truncate` for rollback, growth by
+    doubling. The arrays are numpy so the C kernels take their addresses directly.
+    """
+
+    def __init__(self, cfg: ModelConfig, capacity: int = 256) -> None:
+        self.cfg = cfg
+        self.length = 0
+        self._alloc(max(1, min(capacity, cfg.context_length)))
+
+    def _alloc(self, capacity: int) -> None:
+        c = self.cfg
+        # The transposed keys' row stride: never a multiple of 256 floats, whose rows would all map
+        # to the same cache sets (measured: attention 1.5x slower at a stride of 1024).
+        stride = capacity + 16 if capacity % 256 == 0 else capacity
+        k = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, stride), np.float32)
+        v = np.zeros((c.n_layers, c.n_kv_heads, stride, c.head_dim), np.float32)
+        if self.length:
+            k[..., : self.length] = self.k[..., : self.length]
+            v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v, self.capacity, self.stride = k, v, capacity, stride
+
+    def reserve(self, length: int) -> None:
+        if length > self.cfg.context_length:
+            raise ValueError(f"sequence of {length} tokens exceeds the context of {self.cfg.context_length}")
+        if length > self.capacity:
+            self._alloc(min(self.cfg.context_length, max(length, 2 * self.capacity)))
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
+
+def c_layers(layers: list[dict[str, Any]]) -> ctypes.Array:
+    """The layers as layers.c's structs, built once: their arrays are memory-mapped and never move."""
+
+    def matrix(m: NativeMatrix) -> CMatrix:
+        return CMatrix(m.data.ctypes.data, int(m.kind == "Q8_0"), m.n_out, m.n_in)
+
+    return (CLayer * len(layers))(*[
+        CLayer(lw["attn_norm"].ctypes.data, lw["ffn_norm"].ctypes.data,
+               lw["bqkv"].ctypes.data if lw["bqkv"] is not None else None,
+               matrix(lw["wqkv"]), matrix(lw["wo"]), matrix(lw["wgu"]), matrix(lw["wdown"]))
+        for lw in layers
+    ])  # fmt: skip
+
+
+class FastModel:
+    """Prepared weights, a product strategy and the forward pass; holds no per-sequence state."""
+
+    def __init__(
+        self, cfg: ModelConfig, layers: list[dict[str, Any]], out_norm: np.ndarray, head: NativeMatrix,
+        rope_freqs: np.ndarray | None, embed: np.ndarray, tokenizer: Tokenizer | None, products: Any,
+        weight_format: str, description: str, step_bytes: int,
+    ) -> None:  # fmt: skip
+        self.cfg, self.layers, self.out_norm, self.head = cfg, layers, out_norm, head
+        self.embed, self.tokenizer, self.products = np.asarray(embed), tokenizer, products
+        self.backend, self.weight_format, self.description = products.name, weight_format, description
+        self.step_bytes = step_bytes
+        self.lib = row_kernels()
+        self.head_products = NativeProducts(self.lib)
+        rope = Rope.build(cfg, rope_freqs)
+        self.cos, self.sin = np.ascontiguousarray(rope.cos), np.ascontiguousarray(rope.sin)
+        self.c_layers = c_layers(layers) if isinstance(products, NativeProducts) else None
+
+    def describe(self) -> str:
+        """What this target computes, in one line (bench model, status, audit)."""
+        return self.description
+
+    def new_cache(self, capacity: int = 256) -> RowCache:
+        return RowCache(self.cfg, capacity)
+
+    def forward(self, cache: RowCache, tokens: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
+        """Logits for `tokens` appended at positions [cache.length, cache.length + T)."""
+        return self.forward_batch([(cache, tokens)], all_logits=all_logits)[0]
+
+    def forward_batch(
+        self, batch: Sequence[tuple[RowCache, Sequence[int]]], *, all_logits: bool = True
+    ) -> list[np.ndarray]:
+        """One step for several sequences: (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
+        cfg, lib, eps = self.cfg, self.lib, self.cfg.rms_eps
+        ids = validate_batch(cfg, batch)
+        spans = np.cumsum([0, *(t.size for t in ids)])
+        n, d = int(spans[-1]), cfg.d_model
+        x = np.ascontiguousarray(self.embed[np.concatenate(ids)], dtype=np.float32)
+        if self.c_layers is not None:
+            self.forward_layers_native(x, batch, spans)
+        else:
+            self.forward_layers(x, batch, spans)
+        for (cache, _), t in zip(batch, ids, strict=True):
+            cache.length += t.size
+        rows = np.arange(n) if all_logits else spans[1:] - 1
+        hidden = np.ascontiguousarray(x[rows])
+        normed = np.empty_like(hidden)
+        lib.rms_norm_f32(hidden.ctypes.data, len(rows), d, self.out_norm.ctypes.data, eps, normed.ctypes.data)
+        logits = self.head_products.apply(self.head_products.prepare(normed), self.head)
+        cuts = spans if all_logits else np.arange(len(batch) + 1)
+        return [logits[cuts[i] : cuts[i + 1]] for i in range(len(batch))]
+
+    def forward_layers(self, x: np.ndarray, batch: Sequence[tuple[RowCache, Any]], spans: np.ndarray) -> None:
+        """Every layer over x in place, one Python call per kernel (the torch products' path; the
+        native backend runs the same sequence in C: layers.c)."""
+        cfg, lib, eps, mm = self.cfg, self.lib, self.cfg.rms_eps, self.products
+        n, d, layers = x.shape[0], cfg.d_model, self.layers
+        h = np.empty((n, d), np.float32)
+        attn = np.empty((n, cfg.q_dim), np.float32)
+        act = np.empty((n, cfg.d_ff), np.float32)
+        lib.rms_norm_f32(x.ctypes.data, n, d, layers[0]["attn_norm"].ctypes.data, eps, h.ctypes.data)
+        for index, lw in enumerate(layers):
+            qkv = mm.apply(mm.prepare(h), lw["wqkv"])
+            for i, (cache, _) in enumerate(batch):
+                self._attend(index, lw, cache, qkv[spans[i] : spans[i + 1]], attn[spans[i] : spans[i + 1]])
+            out = mm.apply(mm.prepare(attn), lw["wo"])
+            lib.add_rms_norm_f32(
+                x.ctypes.data, out.ctypes.data, n, d, lw["ffn_norm"].ctypes.data, eps, h.ctypes.data
+            )
+            gate_up = mm.apply(mm.prepare(h), lw["wgu"])
+            lib.silu_mul_f32(gate_up.ctypes.data, n, cfg.d_ff, act.ctypes.data)
+            down = mm.apply(mm.prepare(act), lw["wdown"])
+            if index + 1 < len(layers):
+                nxt = layers[index + 1]["attn_norm"].ctypes.data
+                lib.add_rms_norm_f32(x.ctypes.data, down.ctypes.data, n, d, nxt, eps, h.ctypes.data)
+            else:
+                lib.add_f32(x.ctypes.data, down.ctypes.data, n * d)
+
+    def forward_layers_native(
+        self, x: np.ndarray, batch: Sequence[tuple[RowCache, Any]], spans: np.ndarray
+    ) -> None:
+        cfg, n = self.cfg, x.shape[0]
+        widths = {"h": cfg.d_model, "qkv": cfg.q_dim + 2 * cfg.kv_dim, "attn": cfg.q_dim,
+                  "gate_up": 2 * cfg.d_ff, "act": cfg.d_ff, "out": cfg.d_model}  # fmt: skip
+        buffers = {name: np.empty((n, width), np.float32) for name, width in widths.items()}
+        widest = max(cfg.d_model, cfg.q_dim, cfg.d_ff)
+        buffers |= {"xq": np.empty((n, widest), np.int8), "dx": np.empty((n, widest // 32), np.float32),
+                    "sx": np.empty((n, widest // 32), np.int32)}  # fmt: skip
+        scratch = CScratch(**{name: a.ctypes.data for name, a in buffers.items()})
+        seqs = (CSequence * len(batch))(*[
+            CSequence(int(spans[i]), int(spans[i + 1] - spans[i]), cache.length, cache.stride,
+                      cache.k.ctypes.data, cache.v.ctypes.data)
+            for i, (cache, _) in enumerate(batch)
+        ])  # fmt: skip
+        self.lib.forward_layers(
+            x.ctypes.data, n, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps,
+            self.cos.ctypes.data, self.sin.ctypes.data, self.c_layers, cfg.n_layers, seqs, len(batch),
+            ctypes.byref(scratch),
+        )  # fmt: skip
+
+    def _attend(
+        self, index: int, lw: dict[str, Any], cache: RowCache, qkv: np.ndarray, out: np.ndarray
+    ) -> None:
+        """Rotate and store this sequence's new K/V in layer `index` of its cache, attend, write `out`."""
+        cfg, kt, v = self.cfg, cache.k[index], cache.v[index]
+        bias = lw["bqkv"].ctypes.data if lw["bqkv"] is not None else None
+        self.lib.rope_attend_f32(
+            qkv.ctypes.data, bias, qkv.shape[0], cache.length, self.cos.ctypes.data, self.sin.ctypes.data,
+            kt.ctypes.data, v.ctypes.data, cache.stride, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+            float(cfg.head_dim**-0.5), out.ctypes.data,
+        )  # fmt: skip

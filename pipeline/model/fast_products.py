@@ -1,0 +1,73 @@
+"""How the fast runtime multiplies activations by weights: one strategy per backend.
+
+Both take float32 activations and give float32 outputs, so `fast_llama` runs one forward for
+either; both are row-invariant (a row's outputs never depend on the other rows):
+- `NativeProducts` ("native"): activations quantized to 8 bits per block of 32, times the GGUF's
+  own 4/8-bit blocks with exact integer sums (products.c; AVX512-VNNI where the CPU has it).
+- `TorchProducts` ("torch"): bfloat16 activations times torch's int4 group-32 layout
+  (`_weight_int4pack_mm_for_cpu`) or bfloat16 matrices (`F.linear`).
+The LM head is a native Q8_0 product in both, so its logits come out in float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from .native_weights import NativeMatrix
+
+
+class Quantized:
+    """One activation matrix in 8-bit blocks: values, per-block scale and per-block sum."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.rows, self.width = rows, width
+        self.q = np.empty((rows, width), np.int8)
+        self.scale = np.empty((rows, width // 32), np.float32)
+        self.sums = np.empty((rows, width // 32), np.int32)
+
+
+class NativeProducts:
+    name = "native"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def prepare(self, x: np.ndarray) -> Quantized:
+        rows, width = x.shape
+        quantized = Quantized(rows, width)
+        self.lib.quantize_q8(x.ctypes.data, rows, width, quantized.q.ctypes.data, quantized.scale.ctypes.data,
+                             quantized.sums.ctypes.data)  # fmt: skip
+        return quantized
+
+    def apply(self, a: Quantized, w: NativeMatrix) -> np.ndarray:
+        out = np.empty((a.rows, w.n_out), np.float32)
+        if w.kind == "Q8_0":
+            self.lib.gemm_q8(a.q.ctypes.data, a.scale.ctypes.data, a.rows, a.width, w.data.ctypes.data,
+                             w.n_out, out.ctypes.data)  # fmt: skip
+        else:
+            self.lib.gemm_q4(a.q.ctypes.data, a.scale.ctypes.data, a.sums.ctypes.data, a.rows, a.width,
+                             w.data.ctypes.data, w.n_out, out.ctypes.data)  # fmt: skip
+        return out
+
+
+class TorchProducts:
+    name = "torch"
+
+    def prepare(self, x: np.ndarray) -> Any:
+        import torch
+
+        return torch.from_numpy(x).to(torch.bfloat16)
+
+    def apply(self, a: Any, w: Any) -> np.ndarray:
+        import torch
+
+        from .torch_weights import Int4Matrix
+
+        if isinstance(w, Int4Matrix):
+            out = torch._weight_int4pack_mm_for_cpu(a, w.packed, 32, w.scale_zero)
+        else:
+            out = torch.nn.functional.linear(a, w)
+        return out.float().numpy()

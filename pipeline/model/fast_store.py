@@ -1,0 +1,158 @@
+"""Loads the fast backends, with their prepared weights cached per (model content, backend, format).
+
+Re-laying a GGUF's blocks takes seconds; the result is saved once beside the reference cache
+(`store.cache_directory`: keyed by the file's content hash) and memory-mapped back, so a warm
+start costs milliseconds and processes serving the same file share its pages.
+- native: one .npy per array, loaded with `np.load(mmap_mode="r")`; torch is never imported.
+- torch: one `torch.save` file, loaded with `torch.load(mmap=True)`; its key holds the torch
+  version, because torch's int4 packing is a torch-internal layout.
+Tokenizer, config and embedding rows come from the reference cache, which every backend shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import BackendUnavailable
+from .fast_llama import FastModel
+from .fast_products import NativeProducts
+from .native import row_kernels
+from .native_weights import MATRICES, FileBlocks, NativeMatrix, pack, read_file_blocks
+from .store import cache_directory, load_prepared
+
+FORMAT_VERSION = 1
+FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move a fully written staging path into place; a concurrent writer's copy is as good."""
+    with contextlib.suppress(OSError):
+        os.replace(staging, target) if staging.is_file() else staging.rename(target)
+    if staging.exists():
+        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink()
+
+
+def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    arrays: dict[str, np.ndarray] = {"out_norm": blocks.out_norm}
+    meta: dict[str, Any] = {"exact": blocks.exact(), "matrices": {}}
+    if blocks.rope_freqs is not None:
+        arrays["rope_freqs"] = blocks.rope_freqs
+
+    def put(key: str, quant: tuple) -> None:
+        matrix = pack(*quant)
+        arrays[key] = matrix.data
+        meta["matrices"][key] = [matrix.kind, matrix.n_out, matrix.n_in, matrix.exact]
+
+    for i, layer in enumerate(blocks.layers):
+        for name in ("attn_norm", "ffn_norm", "bqkv"):
+            if layer[name] is not None:
+                arrays[f"{i}.{name}"] = layer[name]
+        for name in MATRICES:
+            put(f"{i}.{name}", layer[name])
+    put("head", blocks.head)
+    return arrays, meta
+
+
+def load_native(path: Path) -> FastModel:
+    cfg, reference, tokenizer = load_prepared(path)
+    directory = cache_directory(path) / f"native-v{FORMAT_VERSION}"
+    if not (directory / "manifest.json").is_file():
+        arrays, meta = _native_arrays(read_file_blocks(path, cfg))
+        staging = Path(tempfile.mkdtemp(prefix=".native-", dir=directory.parent))
+        for key, array in arrays.items():
+            np.save(staging / f"{key}.npy", np.ascontiguousarray(array))
+        (staging / "manifest.json").write_text(json.dumps({**meta, "arrays": sorted(arrays)}))
+        _publish(staging, directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    arrays = {key: np.load(directory / f"{key}.npy", mmap_mode="r") for key in manifest["arrays"]}
+
+    def matrix(key: str) -> NativeMatrix:
+        kind, n_out, n_in, exact = manifest["matrices"][key]
+        return NativeMatrix(kind, arrays[key], n_out, n_in, exact)
+
+    layers = [
+        {"attn_norm": np.asarray(arrays[f"{i}.attn_norm"]), "ffn_norm": np.asarray(arrays[f"{i}.ffn_norm"]),
+         "bqkv": np.asarray(arrays[f"{i}.bqkv"]) if f"{i}.bqkv" in arrays else None,
+         **{name: matrix(f"{i}.{name}") for name in MATRICES}}
+        for i in range(cfg.n_layers)
+    ]  # fmt: skip
+    head = matrix("head")
+    kinds = sorted({m.kind for layer in layers for m in (layer[n] for n in MATRICES)})
+    step_bytes = sum(int(layer[n].data.nbytes) for layer in layers for n in MATRICES) + int(head.data.nbytes)
+    exactness = "the file's own blocks" if manifest["exact"] else "some matrices requantized to Q8_0"
+    description = (
+        f"native q8: layer weights {'/'.join(kinds)} ({exactness}), head {head.kind}, activations int8 per "
+        f"32 into every product with exact integer sums, f32 residual/norm/RoPE/attention/KV; "
+        f"{'AVX512-VNNI' if vnni() else 'portable C'} products"
+    )
+    return FastModel(
+        cfg, layers, np.asarray(arrays["out_norm"]), head,
+        np.asarray(arrays["rope_freqs"]) if "rope_freqs" in arrays else None,
+        reference["embed"], tokenizer, NativeProducts(row_kernels()), "q8", description, step_bytes,
+    )  # fmt: skip
+
+
+def vnni() -> bool:
+    return bool(row_kernels().has_vnni())
+
+
+def load_torch(path: Path, weight_format: str) -> FastModel:
+    import torch
+
+    from .fast_products import TorchProducts
+    from .torch_weights import can_pack_int4, torch_matrix
+
+    if weight_format == "int4" and not can_pack_int4():
+        raise BackendUnavailable(f"torch {torch.__version__} has no CPU int4 kernels (use torch:bf16)")
+    cfg, reference, tokenizer = load_prepared(path)
+    version = torch.__version__.split("+")[0]
+    target = cache_directory(path) / f"torch-{weight_format}-v{FORMAT_VERSION}-torch{version}.pt"
+    if not target.is_file():
+        blocks = read_file_blocks(path, cfg)
+        flat: dict[str, Any] = {
+            "out_norm": blocks.out_norm,
+            "head": pack(*blocks.head),
+            "rope": blocks.rope_freqs,
+        }
+        flat["layers"] = [
+            {**{n: layer[n] for n in ("attn_norm", "ffn_norm", "bqkv")},
+             **{n: torch_matrix(layer[n][0], weight_format) for n in MATRICES}}
+            for layer in blocks.layers
+        ]  # fmt: skip
+        fd, staging = tempfile.mkstemp(prefix=".pack-", suffix=".pt", dir=target.parent)
+        os.close(fd)
+        torch.save(flat, staging)
+        _publish(Path(staging), target)
+    flat = torch.load(target, mmap=True, weights_only=False)
+    layers = flat["layers"]
+    step_bytes = int(flat["head"].data.nbytes) + sum(
+        sum(t.numel() * t.element_size() for t in (m if isinstance(m, tuple) else (m,)))
+        for layer in layers for m in (layer[n] for n in MATRICES)
+    )  # fmt: skip
+    description = (
+        f"torch {torch.__version__} {weight_format}: layer weights "
+        f"{'int4 g32 with bf16 scale/zero' if weight_format == 'int4' else 'bf16'}, bf16 activations into "
+        f"the layer products, native Q8_0 head on int8 activations, f32 residual/norm/RoPE/attention/KV"
+    )
+    return FastModel(
+        cfg, layers, flat["out_norm"], flat["head"], flat["rope"], reference["embed"], tokenizer,
+        TorchProducts(), weight_format, description, step_bytes,
+    )  # fmt: skip
+
+
+def load_fast(path: Path, backend: str, weight_format: str | None) -> FastModel:
+    formats = FORMATS[backend]
+    chosen = weight_format or formats[0]
+    if chosen not in formats:
+        raise BackendUnavailable(
+            f"the {backend} backend has no weight format {chosen!r} (it has {', '.join(formats)})"
+        )
+    return load_native(path) if backend == "native" else load_torch(path, chosen)
