@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_bench.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     model_bench.add_argument("--repeats", type=int, default=15)
     model_bench.add_argument("--json", action="store_true")
+    model_bench.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's row")
     spec_bench = bench_sub.add_parser(
         "speculative", help="every drafter vs plain decoding on three workloads"
     )

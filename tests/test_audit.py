@@ -576,7 +576,9 @@ def test_audit_verify_passes_on_real_requests_and_names_a_tampered_step(tmp_path
             assert out.strip().splitlines()[-1].startswith("verdict: pass"), out
         code, out = run_cli(capsys, "verify", ids["sampled"], "--db", db, "--json")
         report = msgspec.json.decode(out)
-        assert report["verdict"] == "pass" and 0 < report["max_q_error"] < 1e-4
+        # The pipeline serves on a row-invariant backend and the record names it, so the recomputation
+        # (the whole sequence in chunks of 64) gives the served numbers bit for bit: no round-off at all.
+        assert report["verdict"] == "pass" and report["max_q_error"] == 0.0
         assert any(s["drafter"] == "model" and s["drafted"] for s in report["steps"])
         code, out = run_cli(capsys, "list", "--db", db, "--json")
         assert {r["request_id"] for r in msgspec.json.decode(out)} == set(ids.values())

@@ -22,8 +22,10 @@ def speclanes(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
 
 
 def test_generate_json_matches_reference():
+    """The float32 reference backend against HF transformers' own greedy output."""
     case = REFERENCE["a"]
-    result = speclanes("generate", case["text"], "--max-tokens", "40", "--ignore-eos", "--json")
+    args = ("generate", case["text"], "--max-tokens", "40", "--ignore-eos", "--json", "--backend", "numpy")
+    result = speclanes(*args)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["prompt_tokens"] == case["prompt_ids"]
@@ -100,8 +102,14 @@ def test_speculative_flags_and_stats():
     )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert out["tokens"] == case["greedy_ids"]
+    plain = speclanes("generate", case["text"], "--max-tokens", "40", "--ignore-eos", "--json")
+    assert out["tokens"] == json.loads(plain.stdout)["tokens"]  # the default backend, without speculation
     assert {"steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length"} <= set(out["stats"])
+    numpy_run = speclanes(
+        "generate", case["text"], "--max-tokens", "40", "--ignore-eos", "--drafter", "auto", "--json",
+        "--backend", "numpy",
+    )  # fmt: skip
+    assert json.loads(numpy_run.stdout)["tokens"] == case["greedy_ids"]  # the reference against HF
 
 
 @pytest.mark.parametrize(

@@ -33,14 +33,20 @@ def test_reference_prompts_match_transformers(smollm2, drafter, k, name, prompt,
     assert out.tokens == expected
 
 
+@pytest.fixture(scope="module", params=["numpy", "served"])
+def target(request, smollm2, served_model):
+    """The reference and the default (fast, row-invariant) backend."""
+    return smollm2 if request.param == "numpy" else served_model
+
+
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 @pytest.mark.parametrize(("drafter", "k"), [("ngram", None), ("suffix", 3), ("auto", None), ("model", 4)])
-def test_workloads_match_plain_decoding(smollm2, workload, drafter, k):
-    prompt = chat_prompt(smollm2, WORKLOADS[workload])
+def test_workloads_match_plain_decoding(target, workload, drafter, k):
+    prompt = chat_prompt(target, WORKLOADS[workload])
     params = SamplingParams(max_tokens=48)
-    plain = decode(smollm2, prompt, params, NoDraftSource(), k=0)
-    source = make_draft_source(drafter, smollm2, smollm2 if drafter == "model" else None)
-    out = decode(smollm2, prompt, params, source, k=k)
+    plain = decode(target, prompt, params, NoDraftSource(), k=0)
+    source = make_draft_source(drafter, target, target if drafter == "model" else None)
+    out = decode(target, prompt, params, source, k=k)
     assert out.tokens == plain.tokens and out.text == plain.text
     if drafter == "model":  # the target drafting for itself: every greedy draft is kept
         assert out.stats["acceptance_rate"] == 1.0

@@ -35,7 +35,8 @@ from typing import Any
 
 from ..client import Client
 from ..drafters.registry import make_draft_source
-from ..model import Model, default_model_path
+from ..model import Runtime as Model
+from ..model import default_model_path, load_model, set_backend
 from ..sampling import SamplingParams
 from ..speculative import decode
 from .pipeline_bench import chat_prompt, cpu_seconds, lane_pids, machine_busy_seconds, running_pipeline
@@ -497,7 +498,7 @@ def main(args: argparse.Namespace) -> int:
     drafters = ["none", *(d for d in args.drafters.split(",") if d != "none")]
     skipped: dict[str, str] = {}
     peers = [p for p in args.peers.split(",") if p]
-    model = Model.load(model_path)
+    model = load_model(model_path, set_backend(args.set))
     workers = start_workers(peers, model_path, threads, args.lookup_tokens, skipped)
     rows = variants(drafters, not args.no_pipeline, list(workers))
     runner = Runner(model, workers, args.max_tokens)

@@ -37,7 +37,8 @@ from pathlib import Path
 from ..client import Client, PipelineError
 from ..config import Config, load_config
 from ..drafters.registry import make_draft_source
-from ..model import Model, default_model_path
+from ..model import Runtime as Model
+from ..model import default_model_path, load_model, set_backend
 from ..sampling import SamplingParams
 from ..speculative import decode
 from .speculative_bench import WORKLOADS
@@ -529,7 +530,7 @@ def main(args: argparse.Namespace) -> int:
     drafters, load_drafters = with_reference(args.drafters), with_reference(args.load_drafters)
     settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops our pipelines
-    model = Model.load(args.model or default_model_path())
+    model = load_model(args.model or default_model_path(), set_backend(args.set))
     stream_params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     with running_pipeline(settings) as config:
         single = single_stream(model, config, drafters, args.repeats, stream_params)

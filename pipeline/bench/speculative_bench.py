@@ -13,7 +13,8 @@ import json
 import statistics
 
 from ..drafters.registry import make_draft_source
-from ..model import Model, default_model_path
+from ..model import Runtime as Model
+from ..model import default_model_path, load_model
 from ..sampling import SamplingParams
 from ..speculative import decode
 
@@ -100,8 +101,8 @@ def render(results: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = Model.load(args.model or default_model_path())
-    draft_model = Model.load(args.draft_model) if args.draft_model else None
+    model = load_model(args.model or default_model_path(), args.backend)
+    draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
     results = run(model, args.drafters.split(","), draft_model, args.repeats, args.max_tokens)
     print(json.dumps(results, indent=2) if args.json else render(results))
     identical = all(r["identical_to_none"] for w in results.values() for r in w["drafters"].values())

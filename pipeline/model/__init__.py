@@ -5,7 +5,7 @@
 - `backends.load_model`: picks one for this machine (`cpu` reads its features).
 """
 
-from .backends import BACKENDS, Runtime, backend_key, load_model, resolve_backend
+from .backends import BACKENDS, Runtime, backend_key, load_model, resolve_backend, set_backend
 from .config import ModelConfig
 from .default import default_model_path
 from .errors import BackendUnavailable, ModelFileError
@@ -13,5 +13,5 @@ from .llama import KVCache, Model
 
 __all__ = [
     "BACKENDS", "BackendUnavailable", "KVCache", "Model", "ModelConfig", "ModelFileError", "Runtime",
-    "backend_key", "default_model_path", "load_model", "resolve_backend",
+    "backend_key", "default_model_path", "load_model", "resolve_backend", "set_backend",
 ]  # fmt: skip

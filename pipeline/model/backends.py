@@ -74,6 +74,12 @@ def resolve_backend(name: str) -> str:
     return "numpy"
 
 
+def set_backend(settings: list[str]) -> str:
+    """The backend a list of `--set SECTION.KEY=VALUE` overrides gives a pipeline (auto if none):
+    benchmarks decode in-process on the same runtime as the pipelines they compare against."""
+    return next((s.split("=", 1)[1] for s in reversed(settings) if s.startswith("model.backend=")), "auto")
+
+
 def load_model(path: str | Path, backend: str = "auto", weight_format: str | None = None) -> Runtime:
     """The model at `path` on `backend` ("auto", "native", "torch", "numpy", or a key "torch:int4")."""
     if ":" in backend:

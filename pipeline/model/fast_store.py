@@ -28,7 +28,7 @@ from .native import row_kernels
 from .native_weights import MATRICES, FileBlocks, NativeMatrix, pack, read_file_blocks
 from .store import cache_directory, load_prepared
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
 
 
