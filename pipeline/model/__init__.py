@@ -1,8 +1,10 @@
 """The model runtime: GGUF loading, prepared-weight caches, and two backends behind one interface.
 
 - `llama.Model`: the numpy float32 reference (the oracle in tests);
-- `torch_llama.TorchModel`: the fast backend users run (int4 products, row-invariant C kernels);
+- `fast_llama.FastModel`: the fast, row-invariant runtime users run, with the native products
+  (the GGUF's own blocks times int8 activations, `products.c`) or torch's (`fast_products`);
 - `backends.load_model`: picks one for this machine (`cpu` reads its features).
+A new kernel goes behind `fast_products` (a product strategy) or into the C files built by `native`.
 """
 
 from .backends import BACKENDS, Runtime, backend_key, load_model, resolve_backend, set_backend

@@ -21,22 +21,16 @@ import numpy as np
 from ..tokenizer import Tokenizer
 from .config import ModelConfig
 from .fast_products import NativeProducts
-from .llama import Rope, validate_batch
+from .llama import KVCache, Rope, validate_batch
 from .native import CLayer, CMatrix, CScratch, CSequence, row_kernels
 from .native_weights import NativeMatrix
 
 
-class RowCache:
-    """One sequence's keys (transposed: head_dim before position) and values, float32.
-
-    The same contract as the reference's KVCache: `length`, `truncate` for rollback, growth by
-    doubling. The arrays are numpy so the C kernels take their addresses directly.
+class RowCache(KVCache):
+    """The reference's KVCache contract (`length`, `truncate` for rollback, growth by doubling) in
+    the C kernels' layout: keys (n_layers, n_kv, head_dim, stride), values (n_layers, n_kv,
+    stride, head_dim), float32, numpy so the kernels take their addresses directly.
     """
-
-    def __init__(self, cfg: ModelConfig, capacity: int = 256) -> None:
-        self.cfg = cfg
-        self.length = 0
-        self._alloc(max(1, min(capacity, cfg.context_length)))
 
     def _alloc(self, capacity: int) -> None:
         c = self.cfg
@@ -49,17 +43,6 @@ class RowCache:
             k[..., : self.length] = self.k[..., : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v, self.capacity, self.stride = k, v, capacity, stride
-
-    def reserve(self, length: int) -> None:
-        if length > self.cfg.context_length:
-            raise ValueError(f"sequence of {length} tokens exceeds the context of {self.cfg.context_length}")
-        if length > self.capacity:
-            self._alloc(min(self.cfg.context_length, max(length, 2 * self.capacity)))
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        self.length = length
 
 
 def c_layers(layers: list[dict[str, Any]]) -> ctypes.Array:
