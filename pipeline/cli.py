@@ -406,7 +406,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .model import ModelFileError
+    from .model import BackendUnavailable, ModelFileError
 
     args = build_parser().parse_args(argv)
     from .client import PipelineError
@@ -426,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `speclanes ... | head`: the reader has all it wanted
         sys.stderr.close()  # and Python's exit-time flush of stdout must not complain either
         return 0
-    except (ModelFileError, ValueError, PipelineError, OSError) as exc:
+    except (ModelFileError, BackendUnavailable, ValueError, PipelineError, OSError) as exc:
         print(f"speclanes: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -54,9 +54,13 @@ class ModelSection(Section):
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        name = self.backend.split(":", 1)[0]
-        if name not in ("auto", "native", "torch", "numpy"):
-            raise ValueError(f"model.backend must be auto, native, torch or numpy, got {self.backend!r}")
+        name, _, weight_format = self.backend.partition(":")
+        formats = {"auto": (), "native": ("q8",), "torch": ("int4", "bf16"), "numpy": ("f32",)}
+        if name not in formats or (weight_format and weight_format not in formats[name]):
+            raise ValueError(
+                f"model.backend must be auto, native, native:q8, torch, torch:int4, torch:bf16, numpy or "
+                f"numpy:f32, got {self.backend!r}"
+            )
 
 
 class Speculation(Section):

@@ -77,6 +77,8 @@ def test_seeded_sampling_is_reproducible_from_the_cli():
         (("--messages", "/nonexistent.json"), "cannot read messages"),
         (("x " * 9000,), "context"),
         (("",), "empty"),
+        (("--backend", "gpu", "hi"), "unknown backend"),
+        (("--backend", "torch:int3", "hi"), "no weight format"),
     ],
 )
 def test_bad_input_gets_one_clear_line(args, message):
