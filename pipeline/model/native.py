@@ -91,12 +91,12 @@ def library_key() -> str:
     return hashlib.sha256(text).hexdigest()[:16]
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler(), *FLAGS, *map(str, SOURCES), "-o", staging, "-lm"]
+        command = [compiler(), *flags, *map(str, SOURCES), "-o", staging, "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -117,6 +117,10 @@ def row_kernels() -> ctypes.CDLL:
     target = cache_root() / "native" / library_key() / "rowkernels.so"
     if not target.is_file():
         _build(target)
+    return load_library(target)
+
+
+def load_library(target: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     for name, argtypes in SIGNATURES.items():
         function = getattr(library, name)
