@@ -1,8 +1,10 @@
 """What this CPU can do, read at run time: machines here change from day to day.
 
-The flags decide the torch backend's weight format (`choose_format`) and are printed by
-`bench model`, `status --json` and the audit record, so a figure or a recomputation can
-always be tied to the kernel path that produced it.
+The native kernels are compiled for the CPU they run on (`-march=native`, cached under a key
+that includes these flags), so the flags decide the path: AVX512-VNNI products and AVX-512
+attention where the CPU has them, portable C (the same bits) elsewhere. They are printed by
+`bench model` and `status --json` beside the kernel path, so a figure can always be tied to
+the machine that produced it.
 """
 
 from __future__ import annotations
@@ -54,13 +56,3 @@ def kernel_flags() -> list[str]:
     """The flags of KERNEL_FLAGS this CPU has, for printing beside a figure."""
     flags = cpu_flags()
     return [flag for flag in KERNEL_FLAGS if flag in flags]
-
-
-def choose_format() -> str:
-    """The torch backend's weight format for this machine, from measurements (FINDINGS.md, README).
-
-    int4 group-32 (`_weight_int4pack_mm_for_cpu`) was the fastest row-invariant product for one to
-    about twelve rows on both machines measured, an AMD Zen 4 and an Intel Xeon with AMX; it needs
-    AVX2 at least to be fast. Without AVX2 the format is bf16, whose oneDNN path runs anywhere.
-    """
-    return "int4" if "avx2" in cpu_flags() else "bf16"
