@@ -34,10 +34,12 @@ FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
 
 def _publish(staging: Path, target: Path) -> None:
     """Move a fully written staging path into place; a concurrent writer's copy is as good."""
-    with contextlib.suppress(OSError):
-        os.replace(staging, target) if staging.is_file() else staging.rename(target)
-    if staging.exists():
-        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink()
+    with contextlib.suppress(OSError):  # a directory onto an existing one fails: the other copy stays
+        os.replace(staging, target)
+    if staging.is_dir():
+        shutil.rmtree(staging, ignore_errors=True)
+    elif staging.exists():
+        staging.unlink()
 
 
 def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

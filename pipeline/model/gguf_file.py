@@ -112,11 +112,17 @@ def _tensor(reader: Any, tensors: dict[str, Any], name: str, shape: tuple[int, .
     return array
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row interleaving so rotate-half RoPE applies."""
-    n_out, n_in = w.shape
+def unpermute_order(n_out: int, n_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K row interleaving, so rotate-half RoPE applies.
+
+    Per head, rows go from interleaved rotary pairs back to two halves. As an index it serves
+    every form of a matrix: float rows here, quantized blocks in the fast backends."""
     head_dim = n_out // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, n_in).swapaxes(1, 2).reshape(n_out, n_in)
+    return np.arange(n_out).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(n_out)
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w[unpermute_order(w.shape[0], n_heads)]
 
 
 def read_weights(reader: Any, cfg: ModelConfig) -> PreparedWeights:

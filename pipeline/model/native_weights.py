@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFileError
-from .gguf_file import SUPPORTED_ARCHITECTURES, _open, _tensor
+from .gguf_file import SUPPORTED_ARCHITECTURES, _open, _tensor, unpermute_order
 
 GROUP, TILE = 32, 16
 EXACT_KINDS = ("Q4_0", "Q4_1", "Q8_0")
@@ -94,12 +94,6 @@ def pack(blocks: QuantBlocks, exact: bool = True) -> NativeMatrix:
     scales = [h.reshape(tiles, TILE, nb).transpose(0, 2, 1).copy().view(np.uint8) for h in halves]
     data = np.ascontiguousarray(np.concatenate([values, *scales], axis=-1))
     return NativeMatrix(blocks.kind, data, n_out, n_in, exact)
-
-
-def unpermute_order(n_out: int, n_heads: int) -> np.ndarray:
-    """Row order that undoes llama.cpp's rotary interleaving (gguf_file._unpermute, as an index)."""
-    head_dim = n_out // n_heads
-    return np.arange(n_out).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(n_out)
 
 
 MATRICES = ("wqkv", "wo", "wgu", "wdown")
