@@ -12,10 +12,10 @@ import time
 
 import trio
 
-from pipeline.audit_store import AuditStore
-from pipeline.lane import LaneContext, lane_main
-from pipeline.messages import AuditAck, AuditEvent, AuditInbox, BadMessage
-from pipeline.transport import Inbox, Outbox
+from lanes.lane import LaneContext, lane_main
+from pipeline.audit.store import AuditStore
+from pipeline.protocol.messages import AuditAck, AuditEvent, AuditInbox, BadMessage
+from pipeline.protocol.transport import Inbox, Outbox
 
 log = logging.getLogger(__name__)
 

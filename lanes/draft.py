@@ -1,113 +1,21 @@
-"""The draft lane: every drafter, one per active request, plus the cross-request cache.
+"""The draft lane: the `DraftServer` (pipeline/workers/draft_server.py) behind its inbox.
 
-A draft request carries the whole accepted context and what is needed to rebuild the
-request's drafter, so a restarted lane answers the next step with no handshake. Drafts
-only change speed, never output: a drafter that raises is reported and answered with
-an empty proposal.
+A late draft is worthless, so replies are never waited on: one the orchestrator cannot take
+now is dropped and reported.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 
-import numpy as np
-
-from pipeline.drafters import Drafter, DraftSource
-from pipeline.drafters.registry import make_draft_sources
-from pipeline.lane import LaneContext, lane_main
-from pipeline.messages import BadMessage, Close, Drafted, DraftInbox, DraftRequest, Rows, StepFailed
+from lanes.lane import LaneContext, lane_main
+from pipeline.decoding.drafters.registry import make_draft_sources
 from pipeline.model import Model, default_model_path, load_model
-from pipeline.speculative import draft_rng
-from pipeline.transport import Inbox, Outbox
+from pipeline.protocol.messages import BadMessage, Close, DraftInbox
+from pipeline.protocol.transport import Inbox, Outbox
+from pipeline.workers.draft_server import DraftServer
 
 log = logging.getLogger(__name__)
-
-MAX_REQUESTS = 1024  # drafters kept at once; the least recently used go first
-
-
-class ActiveDraft:
-    def __init__(self, drafter: Drafter, prompt_length: int) -> None:
-        self.drafter, self.seen = drafter, prompt_length + 1  # the first step's context: prompt + 1 token
-        self.reply: Drafted | None = None
-
-
-class DraftServer:
-    def __init__(self, sources: dict[str, DraftSource], vocab_size: int, lane: LaneContext) -> None:
-        self.sources, self.vocab_size, self.lane = sources, vocab_size, lane
-        self.active: OrderedDict[str, ActiveDraft] = OrderedDict()
-
-    def fail(self, msg: DraftRequest, kind: str, message: str) -> StepFailed:
-        self.lane.fault(kind, message, msg.request_id, msg.step, msg.trace)  # type: ignore[arg-type]
-        origin = "draft"
-        return StepFailed(request_id=msg.request_id, step=msg.step, origin=origin, kind=kind, message=message)  # type: ignore[arg-type]
-
-    def problem(self, msg: DraftRequest) -> str | None:
-        if msg.drafter not in self.sources:
-            return f"drafter {msg.drafter!r} is not served here (have: {', '.join(self.sources)})"
-        if not 0 <= msg.k <= 32:
-            return f"k must be 0..32, got {msg.k}"
-        if not 0 < msg.prompt_length <= len(msg.context):
-            return f"prompt length {msg.prompt_length} for a context of {len(msg.context)}"
-        if any(not 0 <= t < self.vocab_size for t in msg.context):
-            return f"token id out of range [0, {self.vocab_size})"
-        return None
-
-    def draft(self, msg: DraftRequest) -> Drafted | StepFailed:
-        if (problem := self.problem(msg)) is not None:
-            return self.fail(msg, "bad_request", problem)
-        active = self.active.get(msg.request_id)
-        if active is not None and active.reply is not None and active.reply.step == msg.step:
-            return active.reply
-        attributes = {
-            "speclanes.request_id": msg.request_id, "speclanes.step": msg.step, "speclanes.k": msg.k
-        }  # fmt: skip
-        with self.lane.telemetry.span("draft", msg.trace, attributes) as span:
-            reply = self.propose(msg, active)
-            if isinstance(reply, Drafted):
-                span.set_attribute("speclanes.drafted", len(reply.tokens))
-                span.set_attribute("speclanes.drafter", reply.drafter)
-            return reply
-
-    def propose(self, msg: DraftRequest, active: ActiveDraft | None) -> Drafted | StepFailed:
-        start = time.perf_counter()
-        try:
-            if active is None:
-                prompt = msg.context[: msg.prompt_length]
-                source = self.sources[msg.drafter]
-                active = ActiveDraft(source.start(prompt, msg.params, draft_rng(msg.seed)), msg.prompt_length)
-                self.active[msg.request_id] = active
-                while len(self.active) > MAX_REQUESTS:
-                    self.active.popitem(last=False)
-            self.active.move_to_end(msg.request_id)
-            if len(msg.context) != active.seen:
-                active.drafter.accept(msg.context)
-                active.seen = len(msg.context)
-            proposal = active.drafter.propose(msg.context, msg.k) if msg.k else None
-        except Exception as exc:
-            self.active.pop(msg.request_id, None)
-            return self.fail(msg, "draft_failed", f"{msg.drafter} drafter raised {exc!r}")
-        tokens = [] if proposal is None else proposal.tokens[: msg.k]
-        probs = None if proposal is None or proposal.probs is None else proposal.probs[: len(tokens)]
-        active.reply = Drafted(
-            request_id=msg.request_id, step=msg.step, trace=msg.trace, tokens=tokens,
-            probs=None if probs is None else Rows.of(np.asarray(probs)),
-            drafter=(proposal.drafter if proposal else "") or msg.drafter,
-            seconds=time.perf_counter() - start,
-        )  # fmt: skip
-        self.lane.state.drafted += len(tokens)
-        return active.reply
-
-    def close(self, msg: Close) -> None:
-        active = self.active.pop(msg.request_id, None)
-        if active is not None and msg.context:
-            try:
-                active.drafter.finish(msg.context)
-            except Exception as exc:
-                self.lane.fault("draft_failed", f"finish raised {exc!r}", msg.request_id)
-            self.lane.state.runs += 1
-        self.lane.state.active_requests = len(self.active)
 
 
 async def serve(lane: LaneContext) -> None:

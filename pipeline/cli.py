@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 
 import msgspec
 
-from .drafters.registry import DRAFTERS
+from pipeline.decoding.drafters.registry import DRAFTERS
+from pipeline.decoding.speculation import Speculation, SpeculationError
+
+
+def _bench(name: str) -> Callable[[], ModuleType]:
+    return lambda: importlib.import_module(f"pipeline.bench.{name}")
+
+
+# Each benchmark module declares its flags (`add_parser`) and runs from `main(args)`.
+BENCHES = {
+    "model": _bench("model_bench"),
+    "speculative": _bench("speculative_bench"),
+    "pipeline": _bench("pipeline_bench"),
+    "peers": _bench("peers_bench"),
+    "tracing": _bench("tracing_bench"),
+}
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -30,10 +48,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_backend_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--backend", default="auto", metavar="NAME",
-        help="auto (default: native where it runs, else numpy), native, torch, numpy, or a key (torch:bf16)",
-    )  # fmt: skip
+    from pipeline.bench.flags import add_backend_flag
+
+    add_backend_flag(p)
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -70,7 +87,8 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     _add_sampling_flags(stream)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
+    """`with_benches=False` leaves the benchmarks' own flags out: importing them costs ~0.1 s."""
     parser = argparse.ArgumentParser(prog="speclanes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate in-process and stream the text")
@@ -88,68 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline_commands(sub)
     bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    model_bench = bench_sub.add_parser("model", help="forward cost by block size vs the memory floor")
-    model_bench.add_argument("--model", metavar="PATH")
-    model_bench.add_argument(
-        "--backends", default="native,torch,numpy", help="backends side by side (first: the subject)"
-    )
-    model_bench.add_argument("--context", type=int, default=512, help="tokens already in the cache")
-    model_bench.add_argument("--repeats", type=int, default=15)
-    model_bench.add_argument("--json", action="store_true")
-    model_bench.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's row")
-    spec_bench = bench_sub.add_parser(
-        "speculative", help="every drafter vs plain decoding on three workloads"
-    )
-    spec_bench.add_argument("--model", metavar="PATH")
-    _add_backend_flag(spec_bench)
-    spec_bench.add_argument(
-        "--draft-model", metavar="PATH", help="for the model drafter (default: the target)"
-    )
-    spec_bench.add_argument("--drafters", default="none,ngram,suffix,auto,model")
-    spec_bench.add_argument("--repeats", type=int, default=3)
-    spec_bench.add_argument("--max-tokens", type=int, default=128)
-    spec_bench.add_argument("--json", action="store_true")
-    pipe_bench = bench_sub.add_parser(
-        "pipeline", help="pipeline vs in-process tokens/s, and 1 vs N concurrent clients"
-    )
-    pipe_bench.add_argument("--model", metavar="PATH")
-    pipe_bench.add_argument("--drafters", default="none,ngram,auto", help="single-stream drafters")
-    pipe_bench.add_argument("--repeats", type=int, default=3)
-    pipe_bench.add_argument("--max-tokens", type=int, default=128, help="single stream (EOS ignored)")
-    pipe_bench.add_argument("--load-drafters", default="none,auto")
-    pipe_bench.add_argument("--clients", type=int, default=8, help="concurrent clients in the load test")
-    pipe_bench.add_argument("--load-tokens", type=int, default=80, help="new tokens per load request")
-    pipe_bench.add_argument("--load-repeats", type=int, default=2)
-    pipe_bench.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
-    )
-    pipe_bench.add_argument("--json", action="store_true")
-    tracing_bench = bench_sub.add_parser(
-        "tracing", help="a traced pipeline vs one with OTEL_SDK_DISABLED, single stream, side by side"
-    )
-    tracing_bench.add_argument("--model", metavar="PATH")
-    tracing_bench.add_argument("--drafters", default="none,ngram")
-    tracing_bench.add_argument("--repeats", type=int, default=3)
-    tracing_bench.add_argument("--max-tokens", type=int, default=128, help="per request (EOS ignored)")
-    tracing_bench.add_argument("--json", action="store_true")
-    peers_bench = bench_sub.add_parser(
-        "peers", help="speclanes vs transformers and llama-cpp-python (ops/bench/install_peers.sh)"
-    )
-    peers_bench.add_argument("--model", metavar="PATH")
-    peers_bench.add_argument("--peers", default="hf,llama_cpp", help="peers to run (skipped if missing)")
-    peers_bench.add_argument("--drafters", default="none,ngram,auto", help="speclanes drafters")
-    peers_bench.add_argument("--no-pipeline", action="store_true", help="speclanes in-process rows only")
-    peers_bench.add_argument("--repeats", type=int, default=3)
-    peers_bench.add_argument("--max-tokens", type=int, default=128, help="new tokens (EOS ignored)")
-    peers_bench.add_argument("--lookup-tokens", type=int, default=10, help="peers' prompt-lookup drafts")
-    peers_bench.add_argument(
-        "--output", default="ops/bench/peers.md", help="table file; the chart goes next to it ('-': none)"
-    )
-    peers_bench.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
-    )
-    peers_bench.add_argument("--json", action="store_true")
-    from .audit_cli import add_parser as add_audit_parser
+    for bench_module in BENCHES.values() if with_benches else ():
+        bench_module().add_parser(bench_sub)
+    from pipeline.audit.cli import add_parser as add_audit_parser
 
     add_audit_parser(sub, _add_config_flags)
     trace = sub.add_parser("trace", help="read the telemetry file export: list traces, or show one as a tree")
@@ -161,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args: argparse.Namespace):
-    from .sampling import SamplingParams
+    from pipeline.decoding.sampling import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature,
@@ -175,33 +134,34 @@ def _sampling(args: argparse.Namespace):
 
 
 def load_model(path: str | None, backend: str = "auto"):
-    from .model import default_model_path
-    from .model import load_model as load
+    from pipeline.model import default_model_path
+    from pipeline.model import load_model as load
 
     return load(path or default_model_path(), backend)
 
 
-def parse_k(text: str) -> int | None:
-    if text == "auto":
-        return None
+def speculation_args(args: argparse.Namespace) -> Speculation:
+    """--drafter, --k and --max-iterations, checked by `Speculation` (the one home of those rules);
+    a flag left out takes Speculation's default here and the pipeline's in `stream`."""
+    k = args.k
+    if k not in (None, "auto"):
+        try:
+            k = int(k)
+        except ValueError:
+            raise ValueError(f"--k takes a number or 'auto', got {k!r}") from None
     try:
-        k = int(text)
-    except ValueError:
-        raise ValueError(f"--k takes a number from 0 to 32 or 'auto', got {text!r}") from None
-    if not 0 <= k <= 32:
-        raise ValueError(f"--k takes a number from 0 to 32 or 'auto', got {k}")
-    return k
+        return Speculation().overridden(drafter=args.drafter, k=k, max_iterations=args.max_iterations)
+    except SpeculationError as exc:
+        raise ValueError(f"--{exc.field.replace('_', '-')}: {exc}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .drafters.registry import make_draft_source
-    from .prompts import load_messages, prompt_tokens
-    from .speculative import decode
+    from pipeline.decoding.drafters.registry import make_draft_source
+    from pipeline.decoding.speculative import decode
+    from pipeline.model.prompts import load_messages, prompt_tokens
 
     params = _sampling(args)
-    k = parse_k(args.k)
-    if args.max_iterations is not None and args.max_iterations < 1:
-        raise ValueError("--max-iterations must be >= 1")
+    speculation = speculation_args(args)
     messages = load_messages(args.messages) if args.messages else None
     model = load_model(args.model, args.backend)
     draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
@@ -218,8 +178,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt,
         params,
         source,
-        k=0 if args.drafter == "none" else k,
-        max_iterations=args.max_iterations,
+        k=speculation.fixed_k,
+        max_iterations=speculation.max_iterations,
         on_text=None if args.json else show,
     )
     if args.json:
@@ -230,42 +190,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
-    from .config import load_config
+    from pipeline.protocol.config import load_config
 
     return load_config(args.config, args.set)
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
-    from pathlib import Path
-
-    from .client import Client
-    from .supervisor import pid_file, supervise
-    from .telemetry import check
+    from pipeline.observability.telemetry import check
+    from pipeline.service.launch import launch
+    from pipeline.service.run_dir import pid_path
+    from pipeline.service.supervisor import supervise
 
     config = _config(args)
     check()  # an OTEL_* setting no process could honour fails here, not in a restart loop
     if not args.detach:
         supervise(config)
         return 0
-    run_dir = Path(config.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pipeline.cli", "start"]
-    command += ["--config", os.path.abspath(args.config)] if args.config else []
-    command += [f"--set={item}" for item in args.set]
-    with (run_dir / "supervisor.log").open("ab") as log:
-        proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-        )
-    client = Client(config.addresses.client, timeout=2.0)
-    try:
-        client.wait_ready(args.wait)
-    except Exception:
-        proc.terminate()
-        raise
+    proc, config = launch(args.set, config_path=args.config, timeout=args.wait)
     print(
-        f"speclanes: pipeline up (supervisor pid {proc.pid}; logs in {run_dir}; pid file {pid_file(config)})"
+        f"speclanes: pipeline up (supervisor pid {proc.pid}; logs in {config.run.dir}; "
+        f"pid file {pid_path(Path(config.run.dir))})"
     )
     if "gateway" in config.processes():
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
@@ -278,33 +222,40 @@ def cmd_stop(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from .supervisor import pid_file
+    from pipeline.service.run_dir import is_supervisor, running_supervisor
 
-    path = pid_file(_config(args))
-    try:
-        pid = int(path.read_text())
-    except (OSError, ValueError):
-        raise ValueError(f"no running pipeline (no pid file at {path})") from None
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        path.unlink(missing_ok=True)
-        raise ValueError(f"the supervisor (pid {pid}) is not running; removed its stale pid file") from None
+    run_dir = Path(_config(args).run.dir)
+    pid = running_supervisor(run_dir)
+    if pid is None:
+        raise ValueError(f"no pipeline is running in {run_dir}")
+    if not pid or not is_supervisor(pid):
+        raise ValueError(
+            f"{run_dir} is locked, but pid {pid} is not a speclanes supervisor of yours: not signalling"
+        )
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if running_supervisor(run_dir) is None:
             print(f"speclanes: stopped (supervisor pid {pid})")
             return 0
         time.sleep(0.1)
     raise ValueError(f"the supervisor (pid {pid}) did not stop within 30 s")
 
 
+def require_running(config) -> None:
+    """Nothing running here: say so at once rather than after a connection timeout."""
+    from pipeline.service.run_dir import running_supervisor
+
+    if running_supervisor(Path(config.run.dir)) is None:
+        raise ValueError(f"no pipeline is running in {config.run.dir} (start one with `speclanes start`)")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import Client
+    from pipeline.protocol.client import Client
 
     config = _config(args)
+    if not args.connect:
+        require_running(config)
     report = Client(args.connect or config.addresses.client, timeout=5.0).status()
     if args.json:
         data = msgspec.to_builtins(report)
@@ -329,15 +280,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
-    from .client import Client
-    from .prompts import load_messages
+    from pipeline.decoding.result import Result
+    from pipeline.model.prompts import load_messages
+    from pipeline.protocol.client import Client
 
     params = _sampling(args)
-    k = parse_k(args.k) if args.k is not None else None
+    speculation_args(args)  # checked here; the pipeline fills in what was left out
+    k = None if args.k in (None, "auto") else int(args.k)
     messages = load_messages(args.messages) if args.messages else None
     if messages is not None and args.prompt is not None:
         raise ValueError("give either a PROMPT or --messages, not both")
     config = _config(args)
+    if not args.connect:
+        require_running(config)
     with Client(args.connect or config.addresses.client) as client:
         client.wait_ready(args.wait)
         submitted = client.submit(
@@ -345,9 +300,9 @@ def cmd_stream(args: argparse.Namespace) -> int:
             drafter=args.drafter, k=k, max_iterations=args.max_iterations,
         )  # fmt: skip
         for item in client.chunks(submitted.request_id):
-            if isinstance(item, dict):
-                if "error" in item:
-                    raise ValueError(f"request {item['request_id']} failed: {item['error']['message']}")
+            if isinstance(item, Result):
+                if item.error is not None:
+                    raise ValueError(f"request {item.request_id} failed: {item.error.message}")
                 sys.stdout.write(msgspec.json.encode(item).decode() + "\n" if args.json else "\n")
             elif not args.json:
                 sys.stdout.write(item.text)
@@ -356,22 +311,19 @@ def cmd_stream(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import model_bench, peers_bench, pipeline_bench, speculative_bench, tracing_bench
-
-    benches = {
-        "model": model_bench,
-        "speculative": speculative_bench,
-        "pipeline": pipeline_bench,
-        "peers": peers_bench,
-        "tracing": tracing_bench,
-    }
-    return benches[args.bench].main(args)
+    return BENCHES[args.bench]().main(args)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .trace_files import find_trace, read_spans, render_tree, summary_rows, trace_files
+    from pipeline.observability.trace_files import (
+        find_trace,
+        read_spans,
+        render_tree,
+        summary_rows,
+        trace_files,
+    )
 
     directory = Path(args.dir or _config(args).telemetry.dir)
     files = trace_files(directory)
@@ -400,16 +352,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from . import audit_cli
+    from pipeline.audit import cli as audit_cli
 
     return audit_cli.main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .model import BackendUnavailable, ModelFileError
+    from pipeline.model import BackendUnavailable, ModelFileError
 
-    args = build_parser().parse_args(argv)
-    from .client import PipelineError
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(with_benches="bench" in argv).parse_args(argv)
+    from pipeline.protocol.client import PipelineError
 
     handlers = {
         "generate": cmd_generate,

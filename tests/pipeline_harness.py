@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 
-from pipeline.client import Client
-from pipeline.config import Config, load_config
-from pipeline.messages import StatusReport
+from pipeline.protocol.client import Client
+from pipeline.protocol.config import Config, load_config
+from pipeline.protocol.messages import StatusReport
+from pipeline.service.launch import launch, stop
 
 
 def free_port() -> int:
@@ -36,11 +35,7 @@ class Pipeline:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 90.0) -> None:
-        command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in self.settings)]
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.run_dir / "supervisor.log").open("ab")
-        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env)
-        self.client(timeout=2.0).wait_ready(timeout)
+        self.proc, _ = launch(self.settings, env=self.env, timeout=timeout)
 
     def client(self, timeout: float = 30.0) -> Client:
         return Client(self.config.addresses.client, timeout=timeout)
@@ -82,14 +77,8 @@ class Pipeline:
         return [lane.pid for lane in self.status().lanes if lane.pid]
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop(self.proc)
 
 
 def alive(pid: int) -> bool:

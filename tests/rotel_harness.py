@@ -17,7 +17,7 @@ from pathlib import Path
 
 import rotel
 
-from pipeline.bench.pipeline_bench import stop
+from pipeline.service.launch import stop
 
 from .pipeline_harness import free_port
 

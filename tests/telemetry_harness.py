@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pipeline.telemetry import Telemetry
+from pipeline.observability.telemetry import Telemetry
 
 
 class MemoryTelemetry(Telemetry):

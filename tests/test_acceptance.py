@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pipeline.acceptance as acceptance
-from pipeline.acceptance import residual, verify
-from pipeline.sampling import sample_from
+import pipeline.decoding.acceptance as acceptance
+from pipeline.decoding.acceptance import residual, verify
+from pipeline.decoding.sampling import sample_from
 
 from .stats import chi_square
 

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from pipeline import cli
-from pipeline.acceptance import Decision
-from pipeline.audit_store import AuditStore, decode_event
-from pipeline.audit_verify import (
+from pipeline.audit.store import AuditStore, decode_event
+from pipeline.audit.verify import (
     DRAW_EPS,
     Report,
     draw_problem,
@@ -29,12 +28,19 @@ from pipeline.audit_verify import (
     uses_draft_rows,
     verify_request,
 )
-from pipeline.drafters import NoDraftSource
-from pipeline.drafters.model import ModelSource
-from pipeline.drafters.ngram import NgramSource
-from pipeline.drafters.registry import make_draft_source
-from pipeline.drafters.suffix import SuffixSource
-from pipeline.messages import (
+from pipeline.decoding.acceptance import Decision
+from pipeline.decoding.drafters import NoDraftSource, draft_rng
+from pipeline.decoding.drafters.model import ModelSource
+from pipeline.decoding.drafters.ngram import NgramSource
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.drafters.suffix import SuffixSource
+from pipeline.decoding.sampling import SamplingParams, make_rng, sample_from
+from pipeline.decoding.session import Session
+from pipeline.decoding.speculation import Speculation
+from pipeline.decoding.speculative import GuardedDrafter, decode
+from pipeline.decoding.target import TargetState
+from pipeline.model import Model
+from pipeline.protocol.messages import (
     AuditEvent,
     LaneSnapshot,
     RequestOpened,
@@ -43,9 +49,6 @@ from pipeline.messages import (
     StepEvent,
     encode,
 )
-from pipeline.model import Model
-from pipeline.sampling import SamplingParams, make_rng, sample_from
-from pipeline.speculative import GuardedDrafter, Session, TargetState, decode, draft_rng
 
 from .tinymodel import TinySpec, write_tiny_gguf
 
@@ -83,7 +86,9 @@ def audited_run(
     """The in-process loop (`speculative.decode`) with the events the orchestrator records."""
     assert target.tokenizer is not None
     _, seed = make_rng(params.seed)
-    session = Session(target.tokenizer, target.cfg.context_length, PROMPT, params, k=k)
+    session = Session(
+        target.tokenizer, target.cfg.context_length, PROMPT, params, Speculation(k="auto" if k is None else k)
+    )
     state = TargetState(target, params, seed, capacity=session.capacity())
     drafter = GuardedDrafter(src.start(PROMPT, params, draft_rng(seed)))
     now = time.time()
@@ -123,7 +128,7 @@ def audited_run(
         )
         drafter.accept(session.context)
     session.finish_text()
-    done = session.completion(wall=1.0, prefill_seconds=0.0, seed=seed, drafter=src.name)
+    done = session.result(wall=1.0, prefill_seconds=0.0, seed=seed, drafter=src.name)
     stats = session.stats
     events.append(
         SpeculativeEvent(
@@ -131,7 +136,7 @@ def audited_run(
             drafted=stats.drafted, accepted=stats.accepted,
             acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0,
             iterations=stats.steps, content_length=len(done.text), finish_reason=done.finish_reason,
-            stats=done.stats, tokens=done.tokens,
+            stats=msgspec.to_builtins(done.stats), tokens=done.tokens,
         )
     )  # fmt: skip
     return events
@@ -565,8 +570,8 @@ def test_audit_verify_passes_on_real_requests_and_names_a_tampered_step(tmp_path
         with pipeline.client() as client:
             for name, (params, drafter) in runs.items():
                 done = client.complete(prompt, chat=True, params=params, drafter=drafter, k=4)
-                assert "error" not in done, done
-                ids[name] = done["request_id"]
+                assert done.error is None, done
+                ids[name] = done.request_id
         pipeline.wait_until(lambda r: r.audit_pending == 0, what="the audit outbox to empty")
         db = pipeline.config.audit.path
 
@@ -601,7 +606,7 @@ def test_the_audit_lane_applies_the_configured_limits(tmp_path):
     from types import SimpleNamespace
 
     from lanes.audit import retain
-    from pipeline.config import load_config
+    from pipeline.protocol.config import load_config
 
     config = load_config(None, ["audit.max_requests=1", "audit.max_age_days=0", "audit.prune_seconds=7"], {})
     store = AuditStore(tmp_path / "audit.sqlite")

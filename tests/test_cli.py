@@ -126,3 +126,14 @@ def test_speculative_flags_and_stats():
 def test_bad_speculation_flags(args, message):
     result = speclanes("generate", "hi", *args)
     assert result.returncode == 2 and message in result.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "stream"])
+def test_with_nothing_running_status_stop_and_stream_say_so_at_once(tmp_path, command):
+    import time
+
+    args = [command, "--set", f"run.dir={tmp_path / 'run'}"] + (["Hi"] if command == "stream" else [])
+    started = time.monotonic()
+    out = speclanes(*args, timeout=30)
+    assert out.returncode == 2 and "no pipeline is running in" in out.stderr, out.stderr
+    assert time.monotonic() - started < 2

@@ -7,9 +7,9 @@ import pynng
 import pytest
 import trio
 
-from pipeline.client import AsyncClient, PipelineError, continuation, submit_message
-from pipeline.messages import Chunk, Chunks, ErrorReply, Submitted, encode
-from pipeline.sampling import SamplingParams
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.protocol.client import AsyncClient, PipelineError, continuation, submit_message
+from pipeline.protocol.messages import Chunk, Chunks, ErrorReply, Submitted, encode
 
 
 def chunks(*seqs: int, done: dict | None = None) -> Chunks:

@@ -5,6 +5,7 @@ alone, with no orchestrator behind it."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -23,13 +24,14 @@ import msgspec
 import openai
 import pytest
 
-from pipeline.client import Client
-from pipeline.config import load_config
-from pipeline.drafters.registry import make_draft_source
-from pipeline.prompts import prompt_tokens
-from pipeline.sampling import SamplingParams
-from pipeline.speculative import Completion, decode
-from pipeline.trace_files import read_spans, trace_files
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
+from pipeline.model.prompts import prompt_tokens
+from pipeline.observability.trace_files import read_spans, trace_files
+from pipeline.protocol.client import Client
+from pipeline.protocol.config import load_config
 
 from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
 
@@ -67,12 +69,19 @@ def assert_error(body: dict[str, Any], **expected: Any) -> None:
 @pytest.fixture
 def lone_gateway(tmp_path: Path) -> Iterator[str]:
     """A gateway process whose orchestrator address has nobody listening."""
+    with gateway_process(tmp_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def gateway_process(tmp_path: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     port = free_port()
     config = load_config(None, [f"run.dir={tmp_path}", f"gateway.port={port}"], environ={})
     path = tmp_path / "config.json"
     path.write_bytes(msgspec.json.encode(config))
     log = (tmp_path / "gateway.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.gateway", str(path)], stdout=log, stderr=log)
+    command = [sys.executable, "-m", "lanes.gateway", str(path)]
+    proc = subprocess.Popen(command, stdout=log, stderr=log, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -89,6 +98,17 @@ def lone_gateway(tmp_path: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_with_an_api_key_only_health_answers_without_it(tmp_path: Path):
+    with gateway_process(tmp_path, {"SPECLANES_API_KEY": "s3cret"}) as url:
+        status, body = fetch_json(f"{url}/v1/models")
+        assert status == 401
+        assert_error(body, code="invalid_api_key", type="invalid_request_error")
+        request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200 and json.loads(response.read())["object"] == "list"
+        assert fetch_json(f"{url}/health")[0] == 503  # no orchestrator, but no key needed to ask
 
 
 def test_without_an_orchestrator_requests_get_503_but_bad_ones_still_get_400_and_404(lone_gateway: str):
@@ -124,7 +144,7 @@ def test_a_taken_port_is_reported_in_one_line(tmp_path: Path):
         path = tmp_path / "config.json"
         path.write_bytes(msgspec.json.encode(config))
         done = subprocess.run(
-            [sys.executable, "-m", "pipeline.gateway", str(path)], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "lanes.gateway", str(path)], capture_output=True, text=True, timeout=60
         )
     assert done.returncode != 0
     assert f"cannot serve HTTP on 127.0.0.1:{port}" in done.stderr and "Address already in use" in done.stderr
@@ -153,14 +173,14 @@ def model(pipeline: Pipeline) -> str:
     return pipeline.config.model_id()
 
 
-_references: dict[tuple[str, bool, int], tuple[Completion, int]] = {}
+_references: dict[tuple[str, bool, int], tuple[Result, int]] = {}
 
 
 @pytest.fixture(scope="module")
 def reference(served_model):
     """`speclanes generate` in-process (drafter none, greedy, the pipeline's backend): text, prompt length."""
 
-    def run(prompt: str, chat: bool = True, max_tokens: int = 32) -> tuple[Completion, int]:
+    def run(prompt: str, chat: bool = True, max_tokens: int = 32) -> tuple[Result, int]:
         key = (prompt, chat, max_tokens)
         if key not in _references:
             tokens = prompt_tokens(served_model.tokenizer, prompt, chat=chat)
@@ -208,7 +228,7 @@ def test_openai_streaming_chat_equals_generate(pipeline, client, model, referenc
     assert closing.id == f"chatcmpl-{speculation['request_id']}"
     with Client(pipeline.config.addresses.client) as pipe:  # the same request, as the pipeline kept it
         *_, done = pipe.chunks(speculation["request_id"], after=10**6)
-    assert done["tokens"] == ref.tokens
+    assert done.tokens == ref.tokens
     # The caller's traceparent header: the pipeline's spans for this request join its trace.
     deadline = time.monotonic() + 20
     while not any(
@@ -374,7 +394,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(pipeline, clie
     _freed(pipeline, "the streamed request to be cancelled")
     with Client(pipeline.config.addresses.client) as pipe:
         *_, done = pipe.chunks(request_id, after=10**6)
-    assert done["finish_reason"] == "cancelled" and len(done["tokens"]) < 2000
+    assert done.finish_reason == "cancelled" and len(done.tokens) < 2000
 
 
 @pytest.mark.slow

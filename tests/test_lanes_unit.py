@@ -11,17 +11,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lanes.draft import DraftServer
-from lanes.verify import Verifier
-from pipeline.drafters import EMPTY, NoDraftSource, Proposal
-from pipeline.drafters.model import ModelSource
-from pipeline.drafters.ngram import NgramSource
-from pipeline.drafters.registry import make_draft_sources
-from pipeline.messages import (
+from pipeline.decoding.drafters import EMPTY, NoDraftSource, Proposal, draft_rng
+from pipeline.decoding.drafters.model import ModelSource
+from pipeline.decoding.drafters.ngram import NgramSource
+from pipeline.decoding.drafters.registry import make_draft_sources
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.session import Session
+from pipeline.decoding.speculation import Speculation
+from pipeline.decoding.speculative import decode
+from pipeline.model import Model
+from pipeline.observability.telemetry import carrier
+from pipeline.orchestration.lane_table import LaneTable
+from pipeline.orchestration.request import Identity, RequestMachine
+from pipeline.protocol.config import Timeouts
+from pipeline.protocol.messages import (
     BadMessage,
     Close,
     Drafted,
     DraftRequest,
+    Heartbeat,
     Open,
     Opened,
     Rows,
@@ -30,11 +38,10 @@ from pipeline.messages import (
     Verified,
     Verify,
 )
-from pipeline.model import Model
-from pipeline.sampling import SamplingParams
-from pipeline.speculative import decode, draft_rng
-from pipeline.telemetry import carrier
+from pipeline.workers.draft_server import DraftServer
+from pipeline.workers.verifier import Verifier
 
+from .orchestration_harness import FakeLane
 from .telemetry_harness import MemoryTelemetry
 from .tinymodel import TinySpec, write_tiny_gguf
 
@@ -61,80 +68,88 @@ def draft_model(tmp_path_factory) -> Model:
     return Model.load(path)
 
 
-class FakeLane:
-    """What the lane logic uses of a LaneContext: fault reports and the running totals."""
-
-    def __init__(self) -> None:
-        self.state = SpeculativeState()
-        self.faults: list[tuple[str, str, str | None, int | None]] = []
-        self.telemetry = MemoryTelemetry()
-
-    def fault(
-        self,
-        kind: str,
-        message: str,
-        request_id: str | None = None,
-        step: int | None = None,
-        trace: dict[str, str] | None = None,
-    ) -> None:
-        self.faults.append((kind, message, request_id, step))
-
-
 def one(replies: list) -> object:
     assert len(replies) == 1, replies
     return replies[0]
 
 
 class Client:
-    """Plays the orchestrator for one request: owns the accepted context, numbers the steps."""
+    """One request driven by the orchestrator's own `RequestMachine`, delivered to a verify lane
+    core by hand, message by message, so the tests can repeat, reorder, batch or alter them.
+    Drafts are whatever the test passes: they answer the machine's draft request."""
 
     def __init__(self, verifier: Verifier, request_id: str, prompt: Sequence[int], params: SamplingParams):
         self.verifier, self.request_id, self.params = verifier, request_id, params
         self.prompt = list(prompt)
-        self.seed = params.seed if params.seed is not None else 0
-        self.context = list(prompt)
-        self.step = self.draws = 0
+        model = verifier.model
+        lanes = LaneTable()
+        for lane in ("verify", "draft"):
+            lanes.update(Heartbeat(lane=lane, pid=1, state=SpeculativeState()), 0.0)
+        seed = params.seed if params.seed is not None else 0
+        who = Identity(request_id, seed, "test", {}, started=0.0, submitted=0.0)
+        session = Session(model.tokenizer, model.cfg.context_length, prompt, params, Speculation(k=16))
+        self.machine = RequestMachine(who, session, lanes, Timeouts())
+        (send,) = self.machine.begin(0.0)
+        self.first_open = send.message
+
+    @property
+    def context(self) -> list[int]:
+        return self.machine.session.context
 
     @property
     def output(self) -> list[int]:
         return self.context[len(self.prompt) :]
 
+    @property
+    def step(self) -> int:
+        return self.machine.step
+
+    @property
+    def draws(self) -> int:
+        return self.machine.draws
+
     def open_message(self) -> Open:
-        return Open(
-            request_id=self.request_id, step=0, tokens=self.prompt, params=self.params, seed=self.seed,
-            capacity=len(self.prompt) + self.params.max_tokens + 8,
-        )  # fmt: skip
+        return self.first_open
 
     def open(self) -> Opened:
-        opened = one(self.verifier.handle([self.open_message()]))
-        assert isinstance(opened, Opened), opened
-        assert opened.token is not None
-        self.context.append(opened.token)
-        self.draws = opened.draws
+        opened = self.record(one(self.verifier.handle([self.open_message()])))
+        assert isinstance(opened, Opened) and opened.token is not None
         return opened
 
     def verify_message(self, drafts: Sequence[int] = (), probs: Rows | None = None) -> Verify:
-        return Verify(
-            request_id=self.request_id, step=self.step + 1, position=len(self.context) - 1,
-            pending=self.context[-1], drafts=list(drafts), draft_probs=probs,
-        )  # fmt: skip
+        machine = self.machine
+        if isinstance(machine.pending, DraftRequest):
+            drafted = Drafted(
+                request_id=self.request_id, step=machine.pending.step, tokens=list(drafts), probs=None,
+                drafter="test", seconds=0.0,
+            )  # fmt: skip
+            machine.on_reply(drafted, 0.0)
+        message = machine.pending
+        assert isinstance(message, Verify), message
+        return message if probs is None else msgspec.structs.replace(message, draft_probs=probs)
 
-    def record(self, reply: object) -> Verified:
-        assert isinstance(reply, Verified), reply
-        assert reply.request_id == self.request_id and reply.step == self.step + 1
-        self.context.extend(reply.tokens)
-        self.step, self.draws = reply.step, reply.draws
+    def record(self, reply: object) -> Opened | Verified:
+        assert isinstance(reply, Opened | Verified), reply
+        before = self.step
+        self.machine.on_reply(reply, 0.0)
+        if isinstance(reply, Verified):
+            assert reply.request_id == self.request_id and reply.step == before + 1 == self.step
         return reply
 
     def verify(self, drafts: Sequence[int] = ()) -> Verified:
-        return self.record(one(self.verifier.handle([self.verify_message(drafts)])))
+        verified = self.record(one(self.verifier.handle([self.verify_message(drafts)])))
+        assert isinstance(verified, Verified)
+        return verified
 
     def reprime_message(self, draws: int | None = None) -> Open:
-        return Open(
-            request_id=self.request_id, step=self.step, tokens=self.context[:-1], params=self.params,
-            seed=self.seed, draws=self.draws if draws is None else draws, sample=False,
-            capacity=len(self.prompt) + self.params.max_tokens + 8,
-        )  # fmt: skip
+        """What the machine sends when a verify lane says it does not know the request."""
+        step = self.verify_message()
+        lost = StepFailed(request_id=self.request_id, step=step.step, origin="verify", kind="unknown_request",
+                          message="restarted")  # fmt: skip
+        self.machine.on_reply(lost, 0.0)
+        message = self.machine.pending
+        assert isinstance(message, Open) and not message.sample
+        return message if draws is None else msgspec.structs.replace(message, draws=draws)
 
     def run(self, until: int) -> list[int]:
         """Plain steps (no drafts) until `until` output tokens."""
@@ -352,7 +367,9 @@ def test_drafts_past_the_context_fail_only_their_own_request(model):
     a.open()
     b.open()
     overflow = [3] * model.cfg.context_length
-    replies = verifier.handle([a.verify_message(overflow), b.verify_message()])
+    replies = verifier.handle(
+        [msgspec.structs.replace(a.verify_message(), drafts=overflow), b.verify_message()]
+    )
     by_id = {r.request_id: r for r in replies}
     assert isinstance(by_id["a"], StepFailed) and by_id["a"].kind == "bad_request"
     assert isinstance(by_id["b"], Verified)
@@ -426,8 +443,9 @@ def test_each_request_in_a_batch_gets_a_verify_span_in_its_own_trace(model):
     roots = {name: callers.start(f"request {name}") for name in ("short", "long")}
     clients = {name: Client(verifier, name, PROMPTS[name], GREEDY) for name in roots}
     for name, client in clients.items():
-        one(verifier.handle([msgspec.structs.replace(client.open_message(), trace=carrier(roots[name]))]))
-        client.context.append(0)  # the token itself does not matter here
+        client.record(
+            one(verifier.handle([msgspec.structs.replace(client.open_message(), trace=carrier(roots[name]))]))
+        )
     drafts = {"short": [5, 6], "long": []}
     verifier.handle(
         [
@@ -492,7 +510,7 @@ def test_repriming_continues_the_undisturbed_run(model, params, at, restart):
         client.verifier = Verifier(model, FakeLane())
         assert one(client.verifier.handle([client.verify_message()])).kind == "unknown_request"
     message = client.reprime_message()
-    opened = one(client.verifier.handle([message]))
+    opened = client.record(one(client.verifier.handle([message])))
     assert isinstance(opened, Opened)
     assert (opened.step, opened.token, opened.u, opened.draws) == (client.step, None, None, client.draws)
     assert one(client.verifier.handle([message])) is opened  # a re-sent re-prime is a repeat
@@ -510,7 +528,7 @@ def test_repriming_without_the_draw_count_would_repeat_draws(model):
     client.run(6)
     assert client.draws == 6
     client.verifier = Verifier(model, FakeLane())
-    one(client.verifier.handle([client.reprime_message(draws=0)]))
+    client.record(one(client.verifier.handle([client.reprime_message(draws=0)])))
     assert client.run(len(expected)) != expected
 
 

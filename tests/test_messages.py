@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pipeline.acceptance import Decision
-from pipeline.messages import (
+from pipeline.decoding.acceptance import Decision
+from pipeline.decoding.result import FINISH_REASONS, RequestError, Result, RunStats
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.protocol.messages import (
     PROTOCOL,
     AuditAck,
     AuditInbox,
@@ -56,7 +58,6 @@ from pipeline.messages import (
     VerifyInbox,
     encode,
 )
-from pipeline.sampling import SamplingParams
 
 UNIONS = {
     "VerifyInbox": VerifyInbox,
@@ -137,6 +138,17 @@ faults = st.builds(
 )
 work = {"request_id": ids, "step": small, "trace": traces}
 audit = {"event_id": ids, "request_id": ids, "time": finite}
+
+results = st.builds(
+    Result,
+    finish_reason=st.sampled_from(FINISH_REASONS),
+    request_id=ids,
+    prompt_tokens=tokens,
+    tokens=tokens,
+    text=text,
+    stats=st.builds(RunStats, steps=small, drafted=small, acceptance_rate=finite, seed=i64, drafter=text),
+    error=st.none() | st.builds(RequestError, kind=text, message=text),
+)
 
 STRATEGIES: dict[type, st.SearchStrategy] = {
     Open: st.builds(
@@ -250,7 +262,7 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
         Chunks,
         request_id=ids,
         chunks=st.lists(st.builds(Chunk, seq=small, text=text, tokens=tokens), max_size=4),
-        done=st.none() | json_dicts,
+        done=st.none() | results,
     ),
     ErrorReply: st.builds(ErrorReply, kind=text, message=text),
     StatusReport: st.builds(

@@ -11,7 +11,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pipeline.openai_api import (
+from pipeline.api.openai import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     DONE_EVENT,
@@ -23,6 +23,7 @@ from pipeline.openai_api import (
     pipeline_error,
     to_submit,
 )
+from pipeline.decoding.result import Result
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -186,14 +187,10 @@ def test_pipeline_errors_map_to_http_statuses(kind, status, code):
 
 
 def test_a_failed_or_cancelled_request_is_a_server_error():
-    failed = {
-        "request_id": "r",
-        "finish_reason": "error",
-        "error": {"kind": "verification_failed", "message": "m"},
-    }
+    failed = Result.failed("r", "verification_failed", "m")
     error = failure(failed)
     assert error is not None and (error.status, error.code) == (500, "verification_failed")
-    cancelled = failure({"request_id": "r", "finish_reason": "cancelled", "tokens": [], "stats": {}})
+    cancelled = failure(Result(request_id="r", finish_reason="cancelled"))
     assert cancelled is not None and cancelled.status == 500
     assert failure(_done("stop")) is None and failure(_done("max_iterations_exceeded")) is None
 
@@ -201,15 +198,18 @@ def test_a_failed_or_cancelled_request_is_a_server_error():
 # --- responses ------------------------------------------------------------------------
 
 
-def _done(finish_reason: str = "stop") -> dict:
-    return {
-        "prompt_tokens": [1, 2, 3],
-        "tokens": [10, 11, 2],
-        "text": "Hi!",
-        "finish_reason": finish_reason,
-        "stats": {"drafter": "ngram", "steps": 2, "acceptance_rate": 0.5, "seed": 7},
-        "request_id": "abc",
-    }
+def _done(finish_reason: str = "stop") -> Result:
+    return msgspec.convert(
+        {
+            "prompt_tokens": [1, 2, 3],
+            "tokens": [10, 11, 2],
+            "text": "Hi!",
+            "finish_reason": finish_reason,
+            "stats": {"drafter": "ngram", "steps": 2, "acceptance_rate": 0.5, "seed": 7},
+            "request_id": "abc",
+        },
+        Result,
+    )
 
 
 def test_chat_stream_chunks_parse_as_openai_chunks():
@@ -225,7 +225,7 @@ def test_chat_stream_chunks_parse_as_openai_chunks():
     last = parsed[3]
     assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 3)
     assert last.model_extra == {
-        "speculation": {"request_id": "abc", "finish_reason": "stop", **_done()["stats"]}
+        "speculation": {"request_id": "abc", "finish_reason": "stop", **msgspec.to_builtins(_done().stats)}
     }
     assert parsed[4].choices == [] and parsed[4].usage is not None and parsed[4].usage.total_tokens == 6
 
@@ -263,3 +263,13 @@ def test_server_sent_events_are_data_lines():
     assert data.startswith(b"data: ") and data.endswith(b"\n\n") and data.count(b"\n") == 2
     assert msgspec.json.decode(data[6:]) == {"a": "b\nc"}
     assert DONE_EVENT == b"data: [DONE]\n\n"
+
+
+def test_huge_integers_and_deep_json_are_400s_not_500s():
+    chat = b'{"messages": [{"role": "user", "content": "hi"}], '
+    with pytest.raises(ApiError) as huge:
+        to_submit(decode_request(chat + b'"max_tokens": 18446744073709551616}', True), MODEL)
+    assert (huge.value.status, huge.value.param) == (400, "max_tokens")
+    with pytest.raises(ApiError) as deep:
+        decode_request(chat + b'"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", True)
+    assert (deep.value.status, deep.value.code) == (400, "invalid_json")

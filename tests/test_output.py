@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.output import OutputStream
-from pipeline.sampling import SamplingParams
+from pipeline.decoding.output import OutputStream
+from pipeline.decoding.sampling import SamplingParams
 
 
 def feed(tokenizer, params, text, extra=()):

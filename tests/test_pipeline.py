@@ -21,9 +21,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.client import PipelineError
-from pipeline.drafters.registry import DRAFTERS, make_draft_source
-from pipeline.messages import (
+from pipeline.decoding.drafters.registry import DRAFTERS, make_draft_source
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
+from pipeline.model import default_model_path
+from pipeline.model.prompts import prompt_tokens
+from pipeline.protocol.client import PipelineError
+from pipeline.protocol.messages import (
     AuditAck,
     ClientReply,
     Codec,
@@ -36,10 +41,6 @@ from pipeline.messages import (
     Verify,
     encode,
 )
-from pipeline.model import default_model_path
-from pipeline.prompts import prompt_tokens
-from pipeline.sampling import SamplingParams
-from pipeline.speculative import decode
 
 from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
 
@@ -85,7 +86,7 @@ def _reference(prompt: str, params: SamplingParams, drafter: str, k: int | None)
 def read_stream(client, request_id: str, after: int = -1, on_chunk=None):
     chunks, done = [], None
     for item in client.chunks(request_id, after=after):
-        if isinstance(item, dict):
+        if isinstance(item, Result):
             done = item
         else:
             chunks.append(item)
@@ -101,10 +102,10 @@ def test_greedy_output_equals_in_process_generation(pipeline: Pipeline, drafter:
     with pipeline.client() as client:
         done = client.complete(CODE, chat=True, params=params, drafter=drafter, k=k)
     ref = _reference(CODE, params, drafter, k)
-    assert done["tokens"] == ref.tokens
-    assert done["text"] == ref.text
-    assert done["finish_reason"] == ref.finish_reason
-    assert done["request_id"] and done["stats"]["drafter"] == drafter
+    assert done.tokens == ref.tokens
+    assert done.text == ref.text
+    assert done.finish_reason == ref.finish_reason
+    assert done.request_id and done.stats.drafter == drafter
 
 
 # The suffix and auto drafters learn across requests in the lane, so their sampled drafts
@@ -115,13 +116,14 @@ def test_seeded_sampling_equals_in_process_generation(pipeline: Pipeline, drafte
     with pipeline.client() as client:
         done = client.complete(STORY, chat=True, params=params, drafter=drafter, k=4)
     ref = _reference(STORY, params, drafter, 4)
-    assert done["tokens"] == ref.tokens
-    assert done["stats"]["seed"] == 11
+    assert done.tokens == ref.tokens
+    assert done.stats.seed == 11
 
 
 @pytest.mark.parametrize("lane", ["verify", "draft", "audit"])
 def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeline, lane: str) -> None:
-    params = SamplingParams(max_tokens=110, ignore_eos=True)
+    # Long enough that the request is still running when a restarted lane is back for its second kill.
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
     ref = _reference(STORY, params, "none", 0)
     before = pipeline.lane(lane)
     kills: list[int] = []
@@ -147,11 +149,11 @@ def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeli
     with pipeline.client() as client:
         request_id = client.submit(STORY, chat=True, params=params, drafter="ngram").request_id
         chunks, done = read_stream(client, request_id, on_chunk=count)
-    assert "error" not in done, done
+    assert done.error is None, done
     assert len(kills) == 2
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert [t for c in chunks for t in c.tokens] == ref.tokens
-    assert "".join(c.text for c in chunks) == ref.text == done["text"]
+    assert "".join(c.text for c in chunks) == ref.text == done.text
 
     def recovered(report) -> bool:
         view = next(x for x in report.lanes if x.name == lane)
@@ -162,7 +164,7 @@ def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeli
     assert {int(f.message.split()[1]) for f in downs} >= set(kills)
     rows = pipeline.audit_rows(request_id)
     steps = [step for _, step, kind in rows if kind == "StepEvent"]
-    assert steps == list(range(done["stats"]["steps"] + 1))  # every step once, the prefill as step 0
+    assert steps == list(range(done.stats.steps + 1))  # every step once, the prefill as step 0
     assert sorted(kind for _, _, kind in rows if kind != "StepEvent") == ["RequestOpened", "SpeculativeEvent"]
 
 
@@ -171,7 +173,7 @@ def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None
     client = pipeline.client()
     request_id = client.submit(STORY, chat=True, params=params, drafter="none").request_id
     for item in client.chunks(request_id):
-        if not isinstance(item, dict) and item.seq >= 3:
+        if not isinstance(item, Result) and item.seq >= 3:
             break
     client.close()  # gone without a word
 
@@ -182,8 +184,8 @@ def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None
     pipeline.wait_until(freed, timeout=20, what="the abandoned request to be freed")
     with pipeline.client() as client:
         *_, done = client.chunks(request_id, after=10**6)
-    assert done["finish_reason"] == "cancelled"
-    assert len(done["tokens"]) < 1000
+    assert done.finish_reason == "cancelled"
+    assert len(done.tokens) < 1000
 
 
 def test_a_resumed_stream_gets_the_rest_exactly_once(pipeline: Pipeline) -> None:
@@ -193,7 +195,7 @@ def test_a_resumed_stream_gets_the_rest_exactly_once(pipeline: Pipeline) -> None
     request_id = first.submit(CODE, chat=True, params=params, drafter="ngram").request_id
     seen = []
     for item in first.chunks(request_id):
-        assert not isinstance(item, dict)
+        assert not isinstance(item, Result)
         seen.append(item)
         if sum(len(c.tokens) for c in seen) >= 10:
             break
@@ -203,7 +205,7 @@ def test_a_resumed_stream_gets_the_rest_exactly_once(pipeline: Pipeline) -> None
     chunks = seen + rest
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert "".join(c.text for c in chunks) == ref.text
-    assert [t for c in chunks for t in c.tokens] == ref.tokens == done["tokens"]
+    assert [t for c in chunks for t in c.tokens] == ref.tokens == done.tokens
 
 
 # Not `auto` here: this pipeline's auto includes the self-drafting model (slow by design).
@@ -228,7 +230,7 @@ def test_eight_concurrent_clients_all_get_their_own_correct_output(pipeline: Pip
         t.join(180)
     assert not errors and len(results) == 8
     for i, done in results.items():
-        assert done["tokens"] == _reference(PROMPTS[i % 4], params, "none", 0).tokens
+        assert done.tokens == _reference(PROMPTS[i % 4], params, "none", 0).tokens
     after = pipeline.wait_until(lambda r: r.active_requests == 0).lanes[0].totals
     rows = after.batched_rows - batches_before.batched_rows
     assert rows / (after.batches - batches_before.batches) > 1.5  # several requests shared forwards
@@ -237,10 +239,10 @@ def test_eight_concurrent_clients_all_get_their_own_correct_output(pipeline: Pip
 def test_max_iterations_ends_the_request_with_that_fault(pipeline: Pipeline) -> None:
     with pipeline.client() as client:
         done = client.complete(CODE, chat=True, params=SamplingParams(max_tokens=50), max_iterations=3)
-    assert done["finish_reason"] == "max_iterations_exceeded"
-    assert done["stats"]["steps"] == 3
+    assert done.finish_reason == "max_iterations_exceeded"
+    assert done.stats.steps == 3
     faults = pipeline.status().faults
-    assert any(f.kind == "max_iterations_exceeded" and f.request_id == done["request_id"] for f in faults)
+    assert any(f.kind == "max_iterations_exceeded" and f.request_id == done.request_id for f in faults)
 
 
 @pytest.mark.parametrize(
@@ -344,14 +346,14 @@ def test_garbage_on_every_socket_disturbs_no_lane_and_no_request(pipeline: Pipel
                 sock.send(blob)
             time.sleep(0.2)  # let the queue drain before the socket closes
     worker.join(120)
-    assert outcome["done"]["tokens"] == ref.tokens
+    assert outcome["done"].tokens == ref.tokens
     report = pipeline.status()
     assert {lane.name: (lane.pid, lane.restarts) for lane in report.lanes} == before
     assert all(lane.state == "up" for lane in report.lanes)
     reporters = {f.lane for f in report.faults if f.kind == "bad_request"}
     assert {"verify", "draft", "audit", "orchestrator"} <= reporters
     with pipeline.client() as client:  # and the pipeline still serves
-        assert client.complete(CODE, chat=True, params=params, drafter="ngram")["tokens"] == ref.tokens
+        assert client.complete(CODE, chat=True, params=params, drafter="ngram").tokens == ref.tokens
 
 
 def _supervisor_and_children(tmp_path) -> tuple[Pipeline, list[int]]:
@@ -408,9 +410,14 @@ def test_two_hosts_over_tcp(tmp_path) -> None:
         with host_a.client() as client:
             client.wait_ready(90)
             done = client.complete(CODE, chat=True, params=params, drafter="ngram")
-        assert done["tokens"] == _reference(CODE, params, "none", 0).tokens
-        verify = host_a.lane("verify")
-        assert verify.pid is not None and verify.totals.runs >= 1
+        assert done.tokens == _reference(CODE, params, "none", 0).tokens
+
+        # The lane's totals reach the orchestrator with its next heartbeat, not with the reply.
+        def verify_counted(report) -> bool:
+            verify = next(lane for lane in report.lanes if lane.name == "verify")
+            return verify.pid is not None and verify.totals.runs >= 1
+
+        host_a.wait_until(verify_counted, timeout=10, what="the verify lane's heartbeat to count the run")
         assert not (host_a.run_dir / "verify.log").exists() and (host_b.run_dir / "verify.log").exists()
     finally:
         host_a.stop()
@@ -456,3 +463,71 @@ def test_the_readme_commands_start_stream_status_stop(tmp_path) -> None:
         stopped = speclanes("stop")
     assert stopped.returncode == 0, stopped.stderr
     assert speclanes("stop").returncode == 2  # nothing left to stop, said plainly
+
+
+def test_a_second_start_on_the_run_directory_fails_at_once_and_leaves_the_first_alone(
+    pipeline: Pipeline,
+) -> None:
+    before = {lane.name: lane.pid for lane in pipeline.status().lanes}
+    assert pipeline.proc is not None
+    for mode in (["--detach"], []):
+        started = time.monotonic()
+        command = [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "start",
+            *mode,
+            *(f"--set={s}" for s in pipeline.settings),
+        ]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - started < 2, out
+        assert out.returncode == 2 and f"already running in {pipeline.run_dir}" in out.stderr, out.stderr
+        assert f"supervisor pid {pipeline.proc.pid}" in out.stderr
+    assert {lane.name: lane.pid for lane in pipeline.status().lanes} == before
+    assert pipeline.proc.poll() is None
+
+
+def test_a_stopped_lane_is_noticed_killed_and_replaced_and_the_stream_is_unchanged(tmp_path) -> None:
+    """SIGSTOP the verify lane mid-stream: within restart.hang_seconds `status` stops calling it up,
+    the supervisor kills and restarts it, the request is re-primed and ends as an undisturbed run."""
+    hang = 2.0
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    ref = _reference(STORY, params, "none", 0)
+    with running_pipeline(
+        tmp_path / "run", [f"restart.hang_seconds={hang}", "gateway.enabled=false"]
+    ) as pipe:
+        stopped = pipe.lane("verify").pid
+        assert stopped is not None
+        emitted, marks = [0], {}
+
+        def count(chunks) -> None:
+            emitted[0] = sum(len(c.tokens) for c in chunks)
+
+        def stopper() -> None:
+            while emitted[0] < 15:
+                time.sleep(0.01)
+            os.kill(stopped, signal.SIGSTOP)
+            marks["stopped"] = time.monotonic()
+            pipe.wait_until(lambda r: next(x for x in r.lanes if x.name == "verify").state != "up", 30)
+            marks["noticed"] = time.monotonic()
+            pipe.wait_lane_up("verify", stopped, 60)
+            marks["replaced"] = time.monotonic()
+
+        thread = threading.Thread(target=stopper, daemon=True)
+        thread.start()
+        with pipe.client(timeout=120) as client:
+            request_id = client.submit(STORY, chat=True, params=params, drafter="none", k=0).request_id
+            chunks, done = read_stream(client, request_id, on_chunk=count)
+        thread.join(60)
+        assert done.error is None and done.tokens == ref.tokens
+        assert [t for c in chunks for t in c.tokens] == ref.tokens
+        assert marks["noticed"] - marks["stopped"] < hang + 2.0, marks
+        assert marks["replaced"] - marks["stopped"] < hang + 30.0, marks
+        assert not alive(stopped)
+        faults = [f for f in pipe.status().faults if f.lane == "verify"]
+        assert {"timeout", "lane_down"} <= {f.kind for f in faults}
+        print(
+            f"SIGSTOP verify: noticed after {marks['noticed'] - marks['stopped']:.2f} s, "
+            f"replaced after {marks['replaced'] - marks['stopped']:.2f} s (restart.hang_seconds={hang})"
+        )

@@ -15,14 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.drafters import NoDraftSource
-from pipeline.drafters.model import ModelSource
-from pipeline.drafters.ngram import NgramSource
-from pipeline.drafters.registry import make_draft_source
-from pipeline.drafters.suffix import SuffixSource
+from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.drafters.model import ModelSource
+from pipeline.decoding.drafters.ngram import NgramSource
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.drafters.suffix import SuffixSource
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
 from pipeline.model import Model, load_model
-from pipeline.sampling import SamplingParams
-from pipeline.speculative import decode
 
 from .tinymodel import TinySpec, random_weights, reference_logits, write_tiny_gguf
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pipeline.sampling import SamplingParams, draw, make_rng, sample_from, target_probs
+from pipeline.decoding.sampling import SamplingParams, draw, make_rng, sample_from, target_probs
 
 logit_rows = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32, allow_nan=False))
 settings_strategy = st.builds(

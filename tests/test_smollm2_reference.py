@@ -56,12 +56,13 @@ def test_full_logit_row_matches_transformers(smollm2):
 
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_greedy_generation_matches_transformers(smollm2, name):
-    from pipeline.generate import generate
-    from pipeline.sampling import SamplingParams
+    from pipeline.decoding.drafters import NoDraftSource
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.decoding.speculative import decode
 
     case = PROMPTS[name]
     params = SamplingParams(max_tokens=len(case["greedy_ids"]), ignore_eos=True)
-    assert generate(smollm2, case["prompt_ids"], params).tokens == case["greedy_ids"]
+    assert decode(smollm2, case["prompt_ids"], params, NoDraftSource()).tokens == case["greedy_ids"]
 
 
 @pytest.mark.parametrize("case", REFERENCE["tokenizer_cases"], ids=lambda c: c["text"][:12])

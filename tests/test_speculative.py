@@ -10,16 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pipeline.acceptance as acceptance
-from pipeline.adaptive import KController
-from pipeline.drafters import NoDraftSource
-from pipeline.drafters.model import ModelSource
-from pipeline.drafters.ngram import NgramSource, lookup
-from pipeline.drafters.registry import make_draft_source
-from pipeline.drafters.suffix import SuffixSource, SuffixTable
+import pipeline.decoding.acceptance as acceptance
+from pipeline.decoding.adaptive import KController
+from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.drafters.model import ModelSource
+from pipeline.decoding.drafters.ngram import NgramSource, lookup
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.drafters.suffix import SuffixSource, SuffixTable
+from pipeline.decoding.sampling import SamplingParams, target_probs
+from pipeline.decoding.speculative import decode
 from pipeline.model import Model, ModelFileError
-from pipeline.sampling import SamplingParams, target_probs
-from pipeline.speculative import decode
 
 from .stats import chi_square
 from .tinymodel import TinySpec, write_tiny_gguf
@@ -75,8 +75,8 @@ def test_self_drafting_accepts_everything_greedy(models):
     out = decode(
         target, prompt, SamplingParams(max_tokens=30, ignore_eos=True), ModelSource(target, target), k=4
     )
-    assert out.stats["drafted"] > 0 and out.stats["acceptance_rate"] == 1.0
-    assert out.stats["mean_accepted_length"] > 4
+    assert out.stats.drafted > 0 and out.stats.acceptance_rate == 1.0
+    assert out.stats.mean_accepted_length > 4
 
 
 def continuation_distribution(model: Model, prompt: list[int], params: SamplingParams, n: int) -> dict:
@@ -179,7 +179,7 @@ def test_a_failing_drafter_degrades_to_plain_decoding(models, method, after):
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
     out = decode(target, prompt, params, ExplodingSource(method, after), k=4)
     assert out.tokens == plain.tokens
-    assert out.stats["draft_failures"] == 1
+    assert out.stats.draft_failures == 1
 
 
 def test_max_iterations_ends_the_request(models):
@@ -193,7 +193,7 @@ def test_max_iterations_ends_the_request(models):
         max_iterations=5,
     )
     assert out.finish_reason == "max_iterations_exceeded"
-    assert out.stats["steps"] == 5 and len(out.tokens) == 6
+    assert out.stats.steps == 5 and len(out.tokens) == 6
 
 
 def test_draft_model_with_another_vocabulary_is_refused(models, tmp_path):
@@ -231,7 +231,7 @@ def test_suffix_drafter_learns_from_a_previous_request(models):
     first = decode(target, [70, 71, 72], params, source, k=None)
     second = decode(target, [70, 71, 72], params, source, k=None)
     assert second.tokens == first.tokens
-    assert second.stats["accepted"] > first.stats["accepted"]
+    assert second.stats.accepted > first.stats.accepted
 
 
 def test_controller_turns_speculation_off_and_probes_back():

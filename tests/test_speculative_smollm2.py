@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from pipeline.bench.speculative_bench import WORKLOADS
-from pipeline.drafters import NoDraftSource
-from pipeline.drafters.registry import make_draft_source
-from pipeline.sampling import SamplingParams
-from pipeline.speculative import decode
+from pipeline.bench.common import WORKLOADS
+from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
 
 from .conftest import FIXTURES
 
@@ -49,4 +49,4 @@ def test_workloads_match_plain_decoding(target, workload, drafter, k):
     out = decode(target, prompt, params, source, k=k)
     assert out.tokens == plain.tokens and out.text == plain.text
     if drafter == "model":  # the target drafting for itself: every greedy draft is kept
-        assert out.stats["acceptance_rate"] == 1.0
+        assert out.stats.acceptance_rate == 1.0

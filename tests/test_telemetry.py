@@ -15,12 +15,20 @@ from opentelemetry.exporter.otlp.json.file.trace_exporter import FileSpanExporte
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-from pipeline.audit_store import AuditStore
+from pipeline.audit.store import AuditStore
 from pipeline.cli import main as cli_main
-from pipeline.messages import StepEvent
-from pipeline.sampling import SamplingParams
-from pipeline.telemetry import Telemetry, TelemetryError, carrier, check, exporters, service_name
-from pipeline.trace_files import SpanRecord, read_spans, trace_files
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.observability.telemetry import (
+    Telemetry,
+    TelemetryError,
+    carrier,
+    check,
+    exporters,
+    service_name,
+)
+from pipeline.observability.trace_files import SpanRecord, read_spans, trace_files
+from pipeline.protocol.messages import StepEvent
 
 from .pipeline_harness import Pipeline, running_pipeline
 from .rotel_harness import ReceivedSpan, otlp_receiver
@@ -140,6 +148,9 @@ class Scenario:
             self.plain = client.complete(
                 QUOTE, chat=True, params=SamplingParams(max_tokens=40), drafter="ngram"
             )
+            # The plain request must be undisturbed in its trace too: let its spans leave every
+            # process (batches go every 200 ms here) before the next request's verify lane is killed.
+            time.sleep(1.5)
             self.killed = self.run_with_a_kill(client)
 
     def run_with_a_kill(self, client) -> dict:
@@ -147,7 +158,7 @@ class Scenario:
         request_id = client.submit(QUOTE, chat=True, params=params, drafter="ngram").request_id
         emitted, done = 0, None
         for item in client.chunks(request_id):
-            if isinstance(item, dict):
+            if isinstance(item, Result):
                 done = item
                 continue
             emitted += len(item.tokens)
@@ -161,8 +172,8 @@ class Scenario:
         self.pipeline.wait_until(lambda report: report.audit_pending == 0, what="every audit event stored")
         store = AuditStore(self.pipeline.config.audit.path)
         for done in (self.plain, self.killed):
-            events = store.events(done["request_id"])
-            self.steps[done["request_id"]] = [e for e in events if isinstance(e, StepEvent)]
+            events = store.events(done.request_id)
+            self.steps[done.request_id] = [e for e in events if isinstance(e, StepEvent)]
         store.close()
         self.pipeline.stop()  # SIGTERM: every surviving process flushes its spans
         deadline, count = time.monotonic() + 10, -1
@@ -210,7 +221,7 @@ def assert_well_parented(trace: list) -> object:
 @pytest.mark.slow
 def test_one_request_is_one_trace_with_spans_from_every_lane(scenario: Scenario) -> None:
     done = scenario.plain
-    trace = trace_of(scenario.received, done["request_id"])
+    trace = trace_of(scenario.received, done.request_id)
     root = assert_well_parented(trace)
     assert {s.service for s in trace} == PROCESSES
     assert root.service == "speclanes-orchestrator"
@@ -219,12 +230,12 @@ def test_one_request_is_one_trace_with_spans_from_every_lane(scenario: Scenario)
     assert attrs["gen_ai.operation.name"] == "chat"
     assert attrs["gen_ai.request.model"] == "SmolLM2-135M-Instruct.Q4_1"
     assert int(attrs["gen_ai.request.max_tokens"]) == 40 and float(attrs["gen_ai.request.temperature"]) == 0
-    assert attrs["gen_ai.usage.input_tokens"] == str(len(done["prompt_tokens"]))
-    assert attrs["gen_ai.usage.output_tokens"] == str(len(done["tokens"]))
-    assert done["finish_reason"] in attrs["gen_ai.response.finish_reasons"]
+    assert attrs["gen_ai.usage.input_tokens"] == str(len(done.prompt_tokens))
+    assert attrs["gen_ai.usage.output_tokens"] == str(len(done.tokens))
+    assert done.finish_reason in attrs["gen_ai.response.finish_reasons"]
     assert attrs["speclanes.drafter"] == "ngram"
     names = Counter((s.service, s.name) for s in trace)
-    steps = done["stats"]["steps"]
+    steps = done.stats.steps
     assert names[("speclanes-verify", "prefill")] == 1
     assert names[("speclanes-verify", "verify")] == steps
     assert names[("speclanes-orchestrator", "queue")] == 1
@@ -234,7 +245,7 @@ def test_one_request_is_one_trace_with_spans_from_every_lane(scenario: Scenario)
         assert {"speclanes.k", "speclanes.accepted", "speclanes.acceptance", "speclanes.batch_size"} <= set(
             span.attributes
         )
-    assert sum(int(s.attributes["speclanes.accepted"]) for s in verify) == done["stats"]["accepted"]
+    assert sum(int(s.attributes["speclanes.accepted"]) for s in verify) == done.stats.accepted
     drafts = [s for s in trace if s.name == "draft"]
     assert drafts and all(s.attributes["speclanes.drafter"] == "ngram" for s in drafts)
     assert names[("speclanes-audit", "audit persist")] >= 1
@@ -248,11 +259,11 @@ def test_the_file_export_gives_the_same_trace(scenario: Scenario) -> None:
     batch the other had not when the kill came."""
     assert scenario.bad_lines == 0
     for done, skip_pid in ((scenario.plain, None), (scenario.killed, scenario.killed_pid)):
-        received = trace_of(scenario.received, done["request_id"])
-        filed = trace_of(scenario.files, done["request_id"])
+        received = trace_of(scenario.received, done.request_id)
+        filed = trace_of(scenario.files, done.request_id)
         assert_well_parented(filed)
         assert shape(filed, skip_pid) == shape(received, skip_pid)
-        assert len(shape(filed, skip_pid)) >= done["stats"]["steps"]
+        assert len(shape(filed, skip_pid)) >= done.stats.steps
 
 
 def shape(spans: list, skip_pid: int | None) -> list[tuple]:
@@ -262,8 +273,8 @@ def shape(spans: list, skip_pid: int | None) -> list[tuple]:
 @pytest.mark.slow
 def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span(scenario: Scenario) -> None:
     done = scenario.killed
-    assert "error" not in done and len(done["tokens"]) == 60
-    trace = trace_of(scenario.files, done["request_id"])
+    assert done.error is None and len(done.tokens) == 60
+    trace = trace_of(scenario.files, done.request_id)
     root = assert_well_parented(trace)
     assert root.status != "ERROR"  # the request survived the fault
     faults = [s for s in trace if s.name == "fault lane_down"]
@@ -280,7 +291,7 @@ def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span
     ]
     assert [s.attributes["speclanes.lane.pid"] for s in supervisor] == [scenario.killed_pid]
     # The draft lane survived: every step it answered has its span, none lost.
-    steps = scenario.steps[done["request_id"]]
+    steps = scenario.steps[done.request_id]
     drafted = sorted(e.step for e in steps if e.drafter)
     assert drafted, "ngram drafted nothing: the scenario tests nothing"
     spans = sorted(int(s.attributes["speclanes.step"]) for s in trace if s.name == "draft")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.prompts import prompt_tokens
+from pipeline.model.prompts import prompt_tokens
 
 TEXTS = [
     "日本語のテキスト、中文文本",

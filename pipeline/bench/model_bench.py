@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..model import backend_key, default_model_path, load_model
-from ..model.cpu import cpu_name, kernel_flags
+from pipeline.model import backend_key, default_model_path, load_model
+from pipeline.model.cpu import cpu_name, kernel_flags
 
 BLOCK_SIZES = (1, 2, 4, 8, 16)
 QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
@@ -223,6 +223,19 @@ def render(result: dict[str, Any]) -> str:
         if key in result:
             lines.append(f"T=1 speed-up of {next(iter(result['backends']))} over {label}: {result[key]:.2f}x")
     return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`speclanes bench model` and its flags."""
+    parser = sub.add_parser("model", help="forward cost by block size vs the memory floor")
+    parser.add_argument("--model", metavar="PATH")
+    parser.add_argument(
+        "--backends", default="native,torch,numpy", help="backends side by side (first: the subject)"
+    )
+    parser.add_argument("--context", type=int, default=512, help="tokens already in the cache")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's row")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from .model_bench import BLOCK_SIZES
+from pipeline.bench.model_bench import BLOCK_SIZES
 
 
 def main() -> None:

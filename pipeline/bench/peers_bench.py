@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -33,14 +34,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..client import Client
-from ..drafters.registry import make_draft_source
-from ..model import Runtime as Model
-from ..model import default_model_path, load_model, set_backend
-from ..sampling import SamplingParams
-from ..speculative import decode
-from .pipeline_bench import chat_prompt, cpu_seconds, lane_pids, machine_busy_seconds, running_pipeline
-from .speculative_bench import WORKLOADS
+from pipeline.bench.common import (
+    WORKLOADS,
+    chat_prompt,
+    cpu_seconds,
+    lane_pids,
+    machine_busy_seconds,
+    run_decode_rate,
+    running_pipeline,
+)
+from pipeline.bench.common import progress as common_progress
+from pipeline.bench.flags import add_set_flag
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
+from pipeline.model import Runtime as Model
+from pipeline.model import default_model_path, load_model, set_backend
+from pipeline.protocol.client import Client
 
 GOAL_WORKLOADS = ("quote", "code")
 PEERS = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",)}
@@ -67,8 +78,7 @@ class Variant:
 REFERENCE = Variant("speclanes", "none", "none")
 
 
-def progress(text: str) -> None:
-    print(f"bench peers: {text}", file=sys.stderr, flush=True)
+progress = functools.partial(common_progress, "peers")
 
 
 # --- which rows run -------------------------------------------------------------------
@@ -174,8 +184,8 @@ def run_in_process(model: Model, prompt: list[int], max_tokens: int, source, dra
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     completion = decode(model, prompt, params, source, k=0 if drafter == "none" else None)
     stats = completion.stats
-    return {"tokens": list(completion.tokens), "seconds": stats["wall_seconds"],
-            "first_token_seconds": stats["prefill_seconds"], "steps": stats["steps"]}  # fmt: skip
+    return {"tokens": list(completion.tokens), "seconds": stats.wall_seconds,
+            "first_token_seconds": stats.prefill_seconds, "steps": stats.steps}  # fmt: skip
 
 
 def run_pipeline(
@@ -187,17 +197,17 @@ def run_pipeline(
     start, first, done = time.perf_counter(), None, None
     request_id = client.submit(text, chat=True, params=params, drafter=drafter).request_id
     for item in client.chunks(request_id):
-        if isinstance(item, dict):
+        if isinstance(item, Result):
             done = item
         elif first is None and item.tokens:
             first = time.perf_counter() - start
     seconds = time.perf_counter() - start
-    if done is None or "error" in done:
-        raise RuntimeError(f"pipeline {drafter}: {done and done['error']}")
-    if list(done["prompt_tokens"]) != prompt:
+    if done is None or done.error is not None:
+        raise RuntimeError(f"pipeline {drafter}: {done and done.error}")
+    if list(done.prompt_tokens) != prompt:
         raise RuntimeError("the pipeline tokenized the prompt differently")
-    return {"tokens": list(done["tokens"]), "seconds": seconds,
-            "first_token_seconds": first or seconds, "steps": done["stats"]["steps"]}  # fmt: skip
+    return {"tokens": list(done.tokens), "seconds": seconds,
+            "first_token_seconds": first or seconds, "steps": done.stats.steps}  # fmt: skip
 
 
 class Runner:
@@ -325,7 +335,7 @@ def summarise(runs: dict, rows: list[Variant]) -> dict:
             out[workload][v.name] = {
                 "system": v.system, "mode": v.mode, "tokens": len(rs[-1]["tokens"]),
                 "tokens_per_second": rates[v.name],
-                "decode_tokens_per_second": statistics.median(decode_rate(r) for r in rs),
+                "decode_tokens_per_second": statistics.median(run_decode_rate(r) for r in rs),
                 "first_token_seconds": statistics.median(r["first_token_seconds"] for r in rs),
                 "speedup_vs_plain": rates[v.name] / rates[plain],
                 "speedup_vs_reference": rates[v.name] / rates[REFERENCE.name],
@@ -336,11 +346,6 @@ def summarise(runs: dict, rows: list[Variant]) -> dict:
                 "own_plain": equality(rs, by_row[plain][0]["tokens"]) if v.speculative else None,
             }  # fmt: skip
     return out
-
-
-def decode_rate(run: dict) -> float:
-    """Tokens after the first over the time after the first: decoding without the prefill."""
-    return (len(run["tokens"]) - 1) / max(run["seconds"] - run["first_token_seconds"], 1e-9)
 
 
 def step_ms(run: dict) -> float:
@@ -490,6 +495,25 @@ def machine_cpu() -> str:
     except OSError:
         pass
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`speclanes bench peers` and its flags."""
+    parser = sub.add_parser(
+        "peers", help="speclanes vs transformers and llama-cpp-python (ops/bench/install_peers.sh)"
+    )
+    parser.add_argument("--model", metavar="PATH")
+    parser.add_argument("--peers", default="hf,llama_cpp", help="peers to run (skipped if missing)")
+    parser.add_argument("--drafters", default="none,ngram,auto", help="speclanes drafters")
+    parser.add_argument("--no-pipeline", action="store_true", help="speclanes in-process rows only")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens (EOS ignored)")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="peers' prompt-lookup drafts")
+    parser.add_argument(
+        "--output", default="ops/bench/peers.md", help="table file; the chart goes next to it ('-': none)"
+    )
+    add_set_flag(parser)
+    parser.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -20,28 +20,35 @@ prompt; any difference makes the exit code 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-from ..client import Client, PipelineError
-from ..config import Config, load_config
-from ..drafters.registry import make_draft_source
-from ..model import Runtime as Model
-from ..model import default_model_path, load_model, set_backend
-from ..sampling import SamplingParams
-from ..speculative import decode
-from .speculative_bench import WORKLOADS
+from pipeline.bench.common import (
+    WORKLOADS,
+    busy_cores,
+    chat_prompt,
+    cpu_snapshot,
+    lane_pids,
+    running_pipeline,
+    same_output,
+    settled_status,
+    via_pipeline,
+)
+from pipeline.bench.common import progress as common_progress
+from pipeline.bench.flags import add_set_flag
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
+from pipeline.model import Runtime as Model
+from pipeline.model import default_model_path, load_model, set_backend
+from pipeline.protocol.client import Client
+from pipeline.protocol.config import Config
 
 LOAD_PROMPTS = (
     "Write a short story about a lighthouse keeper and a lost seagull.",
@@ -59,124 +66,13 @@ PROCESSES = ("verify", "orchestrator", "draft", "audit")
 CORES_HEADER = "cores busy: verify orch draft audit clients others"
 
 
-def progress(text: str) -> None:
-    """Progress goes to stderr, so `--json` output stays one object."""
-    print(f"bench pipeline: {text}", file=sys.stderr, flush=True)
+progress = functools.partial(common_progress, "pipeline")
 
 
 # --- a private pipeline ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> Iterator[Config]:
-    """A pipeline in a fresh temp run dir; SIGTERM to its supervisor on the way out, even on error.
-
-    The environment's SPECLANES_* settings are left out on both sides, so a user's
-    configuration cannot make the pipeline and the in-process reference differ; `env`
-    adds variables for the pipeline's processes (OTEL_* for the tracing bench)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="speclanes-bench-"))
-    # No HTTP gateway: the bench talks to the orchestrator, and a gateway would take port 8000
-    # from a pipeline the user runs (or from the bench's other pipeline).
-    overrides = [f"run.dir={run_dir}", "gateway.enabled=false", *settings]
-    config = load_config(None, overrides, environ={})
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECLANES_")}, **(env or {})}
-    command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in overrides)]
-    ok = False
-    with (run_dir / "supervisor.log").open("ab") as log:
-        proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
-        )
-    try:
-        with Client(config.addresses.client, timeout=2.0) as client:
-            client.wait_ready(120.0)
-        yield config
-        ok = True
-    finally:
-        stop(proc)
-        if ok:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        else:
-            progress(f"left the failed pipeline's logs in {run_dir}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """The supervisor stops its children in order on SIGTERM; SIGKILL only if it hangs."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def settled_status(client: Client, config: Config):
-    """Lane totals travel in heartbeats: wait for a few so the last step is counted."""
-    time.sleep(3 * config.run.heartbeat_seconds + 0.1)
-    return client.status()
-
-
-def lane_pids(report) -> dict[str, int]:
-    return {lane.name: lane.pid for lane in report.lanes if lane.pid}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a whole process (all its threads), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds so far of each lane, of this process (the clients), and of the machine."""
-    snapshot = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    times = os.times()
-    snapshot["clients"] = times.user + times.system
-    snapshot["machine"] = machine_busy_seconds()
-    return snapshot
-
-
-def busy_cores(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
-    """Cores each process kept busy on average, and `others`: everything on the machine that is
-    not ours. A busy `others` means the figures were taken on a noisy machine."""
-    cores = {name: (after[name] - before[name]) / wall for name in after}
-    machine = cores.pop("machine")
-    cores["others"] = max(0.0, machine - sum(cores.values()))
-    return cores
-
-
 # --- one request either way -----------------------------------------------------------
-
-
-def via_pipeline(client: Client, text: str, params: SamplingParams, drafter: str) -> dict:
-    """One chat request through the pipeline, timed from submit to the final object."""
-    start = time.perf_counter()
-    request_id = client.submit(text, chat=True, params=params, drafter=drafter).request_id
-    *_, done = client.chunks(request_id)
-    seconds = time.perf_counter() - start
-    assert isinstance(done, dict)
-    if "error" in done:
-        raise PipelineError(done["error"]["kind"], f"request {request_id}: {done['error']['message']}")
-    stats = done["stats"]
-    return {
-        "prompt_tokens": done["prompt_tokens"], "tokens": done["tokens"], "text": done["text"],
-        "seconds": seconds, "tokens_per_second": len(done["tokens"]) / seconds,
-        "orchestrator_tokens_per_second": stats["tokens_per_second"], "steps": stats["steps"],
-        "acceptance_rate": stats["acceptance_rate"],
-    }  # fmt: skip
 
 
 def in_process(model: Model, prompt: list[int], params: SamplingParams, source, drafter: str) -> dict:
@@ -185,19 +81,10 @@ def in_process(model: Model, prompt: list[int], params: SamplingParams, source, 
     stats = completion.stats
     return {
         "prompt_tokens": list(completion.prompt_tokens), "tokens": completion.tokens,
-        "text": completion.text, "seconds": stats["wall_seconds"],
-        "tokens_per_second": stats["tokens_per_second"], "steps": stats["steps"],
-        "acceptance_rate": stats["acceptance_rate"],
+        "text": completion.text, "seconds": stats.wall_seconds,
+        "tokens_per_second": stats.tokens_per_second, "steps": stats.steps,
+        "acceptance_rate": stats.acceptance_rate,
     }  # fmt: skip
-
-
-def same_output(a: dict, b: dict) -> bool:
-    return a["prompt_tokens"] == b["prompt_tokens"] and a["tokens"] == b["tokens"] and a["text"] == b["text"]
-
-
-def chat_prompt(model: Model, text: str) -> list[int]:
-    assert model.tokenizer is not None
-    return model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))
 
 
 # --- 1. single stream -----------------------------------------------------------------
@@ -524,6 +411,21 @@ def render(results: dict) -> str:
 def with_reference(names: str) -> list[str]:
     """`none` first: every other output is checked against it."""
     return ["none", *(name for name in names.split(",") if name != "none")]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`speclanes bench pipeline` and its flags."""
+    parser = sub.add_parser("pipeline", help="pipeline vs in-process tokens/s, and 1 vs N concurrent clients")
+    parser.add_argument("--model", metavar="PATH")
+    parser.add_argument("--drafters", default="none,ngram,auto", help="single-stream drafters")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128, help="single stream (EOS ignored)")
+    parser.add_argument("--load-drafters", default="none,auto")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients in the load test")
+    parser.add_argument("--load-tokens", type=int, default=80, help="new tokens per load request")
+    parser.add_argument("--load-repeats", type=int, default=2)
+    add_set_flag(parser)
+    parser.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

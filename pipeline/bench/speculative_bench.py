@@ -12,44 +12,13 @@ import argparse
 import json
 import statistics
 
-from ..drafters.registry import make_draft_source
-from ..model import Runtime as Model
-from ..model import default_model_path, load_model
-from ..sampling import SamplingParams
-from ..speculative import decode
-
-PASSAGE = (
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small brass "
-    "lantern, a notebook bound in green leather, and a flask of strong black tea. At the top he trimmed "
-    "the wick, polished the great lens until it shone, and wrote down the direction of the wind, the "
-    "colour of the sea and the names of any ships that passed. In forty years he had never missed a "
-    "night. The villagers said the light had never once gone dark while he kept it, not even in the "
-    "great storm of the winter when the waves reached the windows of the lamp room."
-)
-CODE = """def summarize(records):
-    total = 0
-    count = 0
-    for record in records:
-        if record.get("valid"):
-            total += record["value"]
-            count += 1
-    if count == 0:
-        return None
-    average = total / count
-    return {"total": total, "count": count, "average": average}
-"""
-WORKLOADS = {
-    "chat": "Write a short story about a robot who learns to paint.",
-    "quote": f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-    "code": "Rename the variable `total` to `running_sum` in this function and show the whole "
-    f"updated function:\n\n```python\n{CODE}```",
-}
-
-
-def decode_rate(completion) -> float:
-    """Tokens per second after the prompt is in the cache (prefill excluded)."""
-    stats = completion.stats
-    return len(completion.tokens) / (stats["wall_seconds"] - stats["prefill_seconds"])
+from pipeline.bench.common import WORKLOADS, result_decode_rate
+from pipeline.bench.flags import add_backend_flag
+from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
+from pipeline.model import Runtime as Model
+from pipeline.model import default_model_path, load_model
 
 
 def run(model: Model, drafters: list[str], draft_model: Model | None, repeats: int, max_tokens: int) -> dict:
@@ -66,17 +35,17 @@ def run(model: Model, drafters: list[str], draft_model: Model | None, repeats: i
                 )
                 runs[name].append(decode(model, prompt, params, source, k=0 if name == "none" else None))
         reference = runs["none"][0].tokens
-        base = statistics.median(r.stats["tokens_per_second"] for r in runs["none"])
-        base_decode = statistics.median(decode_rate(r) for r in runs["none"])
+        base = statistics.median(r.stats.tokens_per_second for r in runs["none"])
+        base_decode = statistics.median(result_decode_rate(r) for r in runs["none"])
         results[workload] = {"prompt_tokens": len(prompt), "drafters": {}}
         for name, completions in runs.items():
-            tps = statistics.median(r.stats["tokens_per_second"] for r in completions)
+            tps = statistics.median(r.stats.tokens_per_second for r in completions)
             last = completions[-1].stats
             results[workload]["drafters"][name] = {
                 "tokens": len(completions[-1].tokens),
                 "tokens_per_second": tps,
                 "speedup": tps / base,
-                "decode_speedup": statistics.median(decode_rate(r) for r in completions) / base_decode,
+                "decode_speedup": statistics.median(result_decode_rate(r) for r in completions) / base_decode,
                 "acceptance_rate": last["acceptance_rate"],
                 "mean_accepted_length": last["mean_accepted_length"],
                 "identical_to_none": all(r.tokens == reference for r in completions),
@@ -98,6 +67,18 @@ def render(results: dict) -> str:
                 f"  {r['identical_to_none']}"
             )
     return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`speclanes bench speculative` and its flags."""
+    parser = sub.add_parser("speculative", help="every drafter vs plain decoding on three workloads")
+    parser.add_argument("--model", metavar="PATH")
+    add_backend_flag(parser)
+    parser.add_argument("--draft-model", metavar="PATH", help="for the model drafter (default: the target)")
+    parser.add_argument("--drafters", default="none,ngram,suffix,auto,model")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

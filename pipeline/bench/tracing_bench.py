@@ -11,22 +11,21 @@ Both must produce the same tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-import sys
 import time
 
-from ..client import Client
-from ..sampling import SamplingParams
-from .pipeline_bench import running_pipeline, same_output, via_pipeline
-from .speculative_bench import WORKLOADS
+from pipeline.bench.common import WORKLOADS, running_pipeline, same_output, via_pipeline
+from pipeline.bench.common import progress as common_progress
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.protocol.client import Client
 
 TARGET = 0.97
 SIDES = ("traced", "untraced")
 
 
-def progress(text: str) -> None:
-    print(f"bench tracing: {text}", file=sys.stderr, flush=True)
+progress = functools.partial(common_progress, "tracing")
 
 
 def measure(clients: dict[str, Client], drafters: list[str], repeats: int, params: SamplingParams) -> dict:
@@ -76,6 +75,18 @@ def render(summary: dict) -> str:
         f"(overhead {100 * (1 - summary['median_ratio']):.1f}%; target at most {100 * (1 - TARGET):.0f}%)"
     )
     return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`speclanes bench tracing` and its flags."""
+    parser = sub.add_parser(
+        "tracing", help="a traced pipeline vs one with OTEL_SDK_DISABLED, single stream, side by side"
+    )
+    parser.add_argument("--model", metavar="PATH")
+    parser.add_argument("--drafters", default="none,ngram")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128, help="per request (EOS ignored)")
+    parser.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -7,11 +7,11 @@
 A new kernel goes behind `fast_products` (a product strategy) or into the C files built by `native`.
 """
 
-from .backends import BACKENDS, Runtime, backend_key, load_model, resolve_backend, set_backend
-from .config import ModelConfig
-from .default import default_model_path
-from .errors import BackendUnavailable, ModelFileError
-from .llama import KVCache, Model
+from pipeline.model.backends import BACKENDS, Runtime, backend_key, load_model, resolve_backend, set_backend
+from pipeline.model.config import ModelConfig
+from pipeline.model.default import default_model_path
+from pipeline.model.errors import BackendUnavailable, ModelFileError
+from pipeline.model.llama import KVCache, Model
 
 __all__ = [
     "BACKENDS", "BackendUnavailable", "KVCache", "Model", "ModelConfig", "ModelFileError", "Runtime",

@@ -22,8 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import BackendUnavailable
+from pipeline.model.config import ModelConfig
+from pipeline.model.errors import BackendUnavailable
 
 BACKENDS = ("auto", "native", "torch", "numpy")
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def backend_key(model: Runtime) -> str:
 
 def backend_problem(name: str) -> str | None:
     """Why backend `name` cannot run here, or None when it can."""
-    from .native import compiler, have_compiler
+    from pipeline.model.native import compiler, have_compiler
 
     if name == "torch" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch==2.13.0)"
@@ -86,11 +86,11 @@ def load_model(path: str | Path, backend: str = "auto", weight_format: str | Non
         backend, weight_format = backend.split(":", 1)
     chosen = resolve_backend(backend)
     if chosen == "numpy":
-        from .llama import Model
+        from pipeline.model.llama import Model
 
         if weight_format not in (None, "f32"):
             raise BackendUnavailable(f"the numpy backend computes in f32 only, not {weight_format!r}")
         return Model.load(path)
-    from .fast_store import load_fast
+    from pipeline.model.fast_store import load_fast
 
     return load_fast(Path(path), chosen, weight_format)

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from ..tokenizer import Tokenizer
-from .config import ModelConfig
-from .fast_products import NativeProducts
-from .llama import KVCache, Rope, validate_batch
-from .native import CLayer, CMatrix, CScratch, CSequence, row_kernels
-from .native_weights import NativeMatrix
+from pipeline.model.config import ModelConfig
+from pipeline.model.fast_products import NativeProducts
+from pipeline.model.llama import KVCache, Rope, validate_batch
+from pipeline.model.native import CLayer, CMatrix, CScratch, CSequence, row_kernels
+from pipeline.model.native_weights import NativeMatrix
+from pipeline.model.tokenizer import Tokenizer
 
 
 class RowCache(KVCache):

@@ -5,7 +5,9 @@ either; both are row-invariant (a row's outputs never depend on the other rows):
 - `NativeProducts` ("native"): activations quantized to 8 bits per block of 32, times the GGUF's
   own 4/8-bit blocks with exact integer sums (products.c; AVX512-VNNI where the CPU has it).
 - `TorchProducts` ("torch"): bfloat16 activations times torch's int4 group-32 layout
-  (`_weight_int4pack_mm_for_cpu`) or bfloat16 matrices (`F.linear`).
+  (`_weight_int4pack_mm_for_cpu`) or bfloat16 matrices (`F.linear`, one row per call: oneDNN's
+  bf16 GEMM picks its blocking by the row count, and on Zen 4 (AVX512-BF16) that changed single
+  rows' bits at about 1 forward in 13; a one-row product always takes the same path).
 The LM head is a native Q8_0 product in both, so its logits come out in float32.
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .native_weights import NativeMatrix
+from pipeline.model.native_weights import NativeMatrix
 
 
 class Quantized:
@@ -64,10 +66,10 @@ class TorchProducts:
     def apply(self, a: Any, w: Any) -> np.ndarray:
         import torch
 
-        from .torch_weights import Int4Matrix
+        from pipeline.model.torch_weights import Int4Matrix
 
         if isinstance(w, Int4Matrix):
             out = torch._weight_int4pack_mm_for_cpu(a, w.packed, 32, w.scale_zero)
         else:
-            out = torch.nn.functional.linear(a, w)
+            out = torch.cat([torch.nn.functional.linear(row, w) for row in a.split(1)])
         return out.float().numpy()

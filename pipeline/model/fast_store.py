@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BackendUnavailable
-from .fast_llama import FastModel
-from .fast_products import NativeProducts
-from .native import row_kernels
-from .native_weights import MATRICES, FileBlocks, NativeMatrix, pack, read_file_blocks
-from .store import cache_directory, load_prepared
+from pipeline.model.errors import BackendUnavailable
+from pipeline.model.fast_llama import FastModel
+from pipeline.model.fast_products import NativeProducts
+from pipeline.model.native import row_kernels
+from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, pack, read_file_blocks
+from pipeline.model.store import cache_directory, load_prepared
 
 FORMAT_VERSION = 2
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
@@ -109,8 +109,8 @@ def vnni() -> bool:
 def load_torch(path: Path, weight_format: str) -> FastModel:
     import torch
 
-    from .fast_products import TorchProducts
-    from .torch_weights import can_pack_int4, torch_matrix
+    from pipeline.model.fast_products import TorchProducts
+    from pipeline.model.torch_weights import can_pack_int4, torch_matrix
 
     if weight_format == "int4" and not can_pack_int4():
         raise BackendUnavailable(f"torch {torch.__version__} has no CPU int4 kernels (use torch:bf16)")

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelFileError
+from pipeline.model.config import ModelConfig
+from pipeline.model.errors import ModelFileError
 
 # Architectures whose block is the llama block. `permuted`: llama.cpp's converter
 # interleaves rotary pairs in Q/K rows for these (it does not for qwen2, which it

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..tokenizer import Tokenizer
-from .config import ModelConfig
-from .gguf_file import PreparedWeights
-from .kernels import linear, linear_t
-from .store import load_prepared
+from pipeline.model.config import ModelConfig
+from pipeline.model.gguf_file import PreparedWeights
+from pipeline.model.kernels import linear, linear_t
+from pipeline.model.store import load_prepared
+from pipeline.model.tokenizer import Tokenizer
 
 
 class KVCache:

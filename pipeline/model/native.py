@@ -21,9 +21,9 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from .cpu import cpu_flags
-from .errors import BackendUnavailable
-from .store import cache_root
+from pipeline.model.cpu import cpu_flags
+from pipeline.model.errors import BackendUnavailable
+from pipeline.model.store import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernels.c", "products.c", "layers.c"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)

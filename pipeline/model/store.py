@@ -18,9 +18,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from ..tokenizer import Tokenizer
-from .config import ModelConfig
-from .gguf_file import PreparedWeights, read_gguf
+from pipeline.model.config import ModelConfig
+from pipeline.model.gguf_file import PreparedWeights, read_gguf
+from pipeline.model.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 

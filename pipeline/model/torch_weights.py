@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .native_weights import QuantBlocks, dequantize
+from pipeline.model.native_weights import QuantBlocks, dequantize
 
 
 class Int4Matrix(NamedTuple):

@@ -1,0 +1,119 @@
+"""What every lane process shares: the lifeline, heartbeats and fault reports on the
+control lane, and the entry point `python -m lanes.<name> CONFIG.json [--lifeline]`.
+
+The lifeline is the supervisor's end of a pipe on our stdin: when it closes (the
+supervisor exited or was killed) we exit too, so a killed supervisor leaves no orphans.
+SIGTERM (the supervisor's stop) and a closed lifeline both end the process through the
+same path, which flushes its telemetry: only a lane killed outright loses spans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from pipeline.observability.telemetry import Telemetry
+from pipeline.protocol.config import Config
+from pipeline.protocol.messages import Fault, FaultKind, Heartbeat, SpeculativeState
+from pipeline.protocol.transport import Outbox
+
+log = logging.getLogger(__name__)
+
+
+class LaneContext:
+    def __init__(self, name: str, config: Config, telemetry: Telemetry) -> None:
+        self.name, self.config, self.pid = name, config, os.getpid()
+        self.state = SpeculativeState()
+        self.runtime: dict[str, Any] = {}  # set by a lane that holds a model (see model.backends)
+        self.control = Outbox(config.addresses.control)
+        self.telemetry = telemetry
+
+    def fault(
+        self,
+        kind: FaultKind,
+        message: str,
+        request_id: str | None = None,
+        step: int | None = None,
+        trace: dict[str, str] | None = None,
+    ) -> None:
+        """Report on the control lane without waiting: a fault report must never stall a lane.
+        The fault also goes into the request's trace (`trace`) or, with none, a trace of its own."""
+        log.warning("%s fault %s: %s", self.name, kind, message)
+        fault = Fault(
+            kind=kind, lane=self.name, message=message, request_id=request_id, step=step, time=time.time()
+        )
+        self.control.put_nowait(fault)
+        self.telemetry.fault(trace, kind, self.name, message, request_id=request_id, step=step)
+
+    def heartbeat(self) -> None:
+        beat = Heartbeat(lane=self.name, pid=self.pid, state=self.state, runtime=self.runtime)
+        self.control.put_nowait(beat)
+
+    async def beat(self) -> None:
+        """Heartbeats to the orchestrator, and a touch of this lane's alive file for the supervisor:
+        both come from the event loop, so a stopped or hung lane stops both."""
+        alive = self.config.restart.alive_path(self.config.run.dir, self.name)
+        while True:
+            self.heartbeat()
+            with contextlib.suppress(OSError):
+                alive.touch()
+            await trio.sleep(self.config.run.heartbeat_seconds)
+
+
+async def _watch_lifeline(cancel: trio.CancelScope) -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    while await stdin.receive_some(1024):
+        pass
+    log.info("lifeline closed: exiting")
+    cancel.cancel()
+
+
+async def _watch_signals(cancel: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("%s: exiting", signal.Signals(signum).name)
+            cancel.cancel()
+            return
+
+
+def load_resolved(path: str) -> Config:
+    return msgspec.json.decode(Path(path).read_bytes(), type=Config)
+
+
+def lane_main(name: str, serve: Callable[[LaneContext], Awaitable[None]]) -> None:
+    parser = argparse.ArgumentParser(prog=f"speclanes-{name}")
+    parser.add_argument("config", help="resolved configuration (JSON, written by the supervisor)")
+    parser.add_argument("--lifeline", action="store_true", help="exit when stdin closes")
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s"
+    )
+    config = load_resolved(args.config)
+
+    telemetry = Telemetry.configure(name, config.telemetry.dir, config.run_id())
+
+    async def run() -> None:
+        lane = LaneContext(name, config, telemetry)
+        async with trio.open_nursery() as nursery:
+            if args.lifeline:
+                nursery.start_soon(_watch_lifeline, nursery.cancel_scope)
+            nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            nursery.start_soon(lane.beat)
+            await serve(lane)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(run)
+    finally:
+        telemetry.shutdown()

@@ -1,0 +1,192 @@
+"""The orchestrator lane: sockets and timers around the I/O-free `Hub` (pipeline/orchestration).
+
+Everything it receives (replies and acks on the data inbox, lane news on the control inbox,
+client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
+goes out on the lane's Push socket. Sends to the verify lane keep their order and never
+block the loop; a draft or audit send that cannot be handed over now is given back to the
+hub (that step decodes plainly; that event is re-sent later).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pynng
+import trio
+
+from lanes.lane import LaneContext, lane_main
+from pipeline.model.default import default_model_path
+from pipeline.model.store import load_prepared
+from pipeline.observability.metrics import PipelineMetrics
+from pipeline.orchestration.effects import Send
+from pipeline.orchestration.hub import Hub
+from pipeline.orchestration.lane_table import LANES, LaneTable
+from pipeline.orchestration.tracing import RequestTracing
+from pipeline.protocol.messages import (
+    BadMessage,
+    Cancel,
+    ClientRequest,
+    Codec,
+    ControlInbox,
+    DataInbox,
+    ErrorReply,
+    Heartbeat,
+    Message,
+    Poll,
+    StatusQuery,
+    Submit,
+    encode,
+)  # fmt: skip
+from pipeline.protocol.transport import Inbox, Outbox, listen
+
+log = logging.getLogger(__name__)
+TICK_SECONDS = 0.05
+
+
+class OrchestratorLane:
+    def __init__(self, hub: Hub, lane: LaneContext) -> None:
+        config = lane.config
+        self.hub, self.config = hub, config
+        self.outboxes = {
+            name: Outbox(getattr(config.addresses, name)) for name in ("verify", "draft", "audit")
+        }
+        self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
+        self.queued_for_verify = 0
+        self.wakeups: dict[str, trio.Event] = {}
+        self.codec: Codec[Any] = Codec(ClientRequest)
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def dispatch(self, sends: list[Send]) -> None:
+        for send in sends:
+            if send.lane == "verify":
+                if self.queued_for_verify or not self.outboxes["verify"].put_nowait(send.message):  # type: ignore[arg-type]
+                    self.queued_for_verify += 1
+                    self.verify_queue.send_nowait(send)
+                continue
+            data = send.message if isinstance(send.message, bytes) else encode(send.message)
+            if not self.outboxes[send.lane].put_bytes_nowait(data):
+                self.dispatch(self.hub.send_failed(send, self.now()))
+        for request_id in self.hub.changed:
+            if (event := self.wakeups.pop(request_id, None)) is not None:
+                event.set()
+        self.hub.changed.clear()
+
+    async def send_to_verify(self) -> None:
+        """In order. A lane that takes nothing for `timeouts.send` is logged and the message
+        dropped: the request machine's own deadline sends the step again."""
+        async for send in self.verify_backlog:
+            try:
+                await self.outboxes["verify"].put(send.message, timeout=self.config.timeouts.send)  # type: ignore[arg-type]
+            except trio.TooSlowError:
+                log.warning("the verify lane took nothing for %.1f s", self.config.timeouts.send)
+            self.queued_for_verify -= 1
+
+    def guarded(self, handle: Any, *args: Any) -> None:
+        """A bug in handling one message costs that message (logged), never the orchestrator."""
+        try:
+            sends = handle(*args, self.now())
+        except Exception:
+            log.exception("orchestrator core failed on %s", type(args[0]).__name__ if args else "tick")
+            return
+        self.dispatch(sends)
+
+    def reachable(self, msg: object) -> bool:
+        """A lane's heartbeat counts only once our socket to it is connected: "up" must mean that a
+        message sent now arrives (a lane that just started listens before our dialer reconnects)."""
+        if isinstance(msg, Heartbeat) and msg.lane in self.outboxes:
+            return self.outboxes[msg.lane].connected()
+        return True
+
+    async def receive(self, inbox: Inbox, handle: Any) -> None:
+        async for msg in inbox:
+            if self.reachable(msg):
+                self.guarded(handle, msg)
+
+    async def tick(self) -> None:
+        while True:
+            await trio.sleep(TICK_SECONDS)
+            self.guarded(self.hub.tick)
+
+    async def answer(self, data: bytes) -> Message:
+        try:
+            msg = self.codec.decode(data)
+        except BadMessage as exc:
+            return ErrorReply(kind="bad_request", message=str(exc))
+        if isinstance(msg, Submit):
+            reply, sends = self.hub.submit(msg, self.now())
+        elif isinstance(msg, Cancel):
+            reply, sends = self.hub.cancel(msg.request_id, self.now())
+        elif isinstance(msg, Poll):
+            return await self.poll(msg)
+        else:
+            assert isinstance(msg, StatusQuery)
+            return self.hub.status()
+        self.dispatch(sends)
+        return reply
+
+    async def poll(self, msg: Poll) -> Message:
+        front, request_id = self.hub.front, msg.request_id
+        wait = min(max(msg.wait, 0.0), self.config.timeouts.poll_wait_max)
+        front.poll_begins(request_id)
+        try:
+            with trio.move_on_after(wait):
+                while not front.has_news(request_id, msg.after):
+                    await self.wakeups.setdefault(request_id, trio.Event()).wait()
+        finally:
+            front.poll_ends(request_id, self.now())
+        return front.chunks(request_id, msg.after)
+
+    async def serve_client(self, nursery: trio.Nursery, sock: pynng.Socket, idle: list[int]) -> None:
+        """One Rep context; starts another when it is the last idle one, so long polls never
+        starve new clients."""
+        ctx = sock.new_context()
+        try:
+            while True:
+                idle[0] += 1
+                data = await ctx.arecv()
+                idle[0] -= 1
+                if idle[0] == 0:
+                    nursery.start_soon(self.serve_client, nursery, sock, idle)
+                try:
+                    reply = await self.answer(data)
+                except Exception as exc:  # a bug must cost one reply, not the service
+                    log.exception("client request failed")
+                    reply = ErrorReply(kind="internal", message=repr(exc))
+                await ctx.asend(encode(reply))
+        finally:
+            ctx.close()
+
+    async def run(self) -> None:
+        config, hub = self.config, self.hub
+        data = Inbox(config.bind("data"), DataInbox)
+        control = Inbox(config.bind("control"), ControlInbox)
+        clients = listen(pynng.Rep0, config.bind("client"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.receive, data, hub.on_data)
+            nursery.start_soon(self.receive, control, hub.on_control)
+            nursery.start_soon(self.send_to_verify)
+            nursery.start_soon(self.tick)
+            nursery.start_soon(self.serve_client, nursery, clients, [0])
+
+
+async def serve(lane: LaneContext) -> None:
+    config = lane.config
+    cfg, _, tokenizer = load_prepared(config.model.path or default_model_path())  # weights stay unmapped
+    names = (*LANES, "gateway") if "gateway" in config.processes() else LANES  # readiness waits for it too
+    tracing = RequestTracing(
+        lane.telemetry, PipelineMetrics(lane.telemetry.meter, config.model_id()), config.model_id()
+    )
+    hub = Hub(config, tokenizer, cfg.context_length, tracing, LaneTable(names))
+    await OrchestratorLane(hub, lane).run()
+
+
+def main() -> None:
+    lane_main("orchestrator", serve)
+
+
+if __name__ == "__main__":
+    main()

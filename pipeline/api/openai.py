@@ -1,0 +1,336 @@
+"""The OpenAI wire format as pure functions: request bodies in, a pipeline `Submit` out;
+the pipeline's chunks and final object in, OpenAI chunks, responses and errors out.
+
+Kept apart from the HTTP server (lanes/gateway.py) so every mapping is testable without
+sockets. Request bodies are decoded by msgspec into typed structs, so a wrong type names
+its field (`param`) in the 400 it earns. Unknown fields are ignored, as OpenAI-compatible
+servers do; known OpenAI features this server lacks (n > 1, logprobs, penalties, tools...)
+are refused by name unless they ask for nothing (n = 1, a zero penalty).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculation import Speculation, SpeculationError
+from pipeline.protocol.client import submit_message
+from pipeline.protocol.messages import Submit
+
+DEFAULT_MAX_TOKENS = 128  # when a request names none (as `speclanes generate`)
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request that names no temperature samples
+
+
+class ApiError(Exception):
+    """An error as OpenAI reports it: an HTTP status and {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# The orchestrator's ErrorReply kinds (and the client's "unavailable") as HTTP errors.
+PIPELINE_ERRORS: dict[str, tuple[int, str, str | None]] = {
+    "bad_request": (400, "invalid_request_error", None),
+    "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded"),
+    "unavailable": (503, "server_error", "pipeline_unavailable"),
+    "unknown_request": (500, "server_error", "unknown_request"),
+}
+
+
+def pipeline_error(kind: str, message: str, param: str | None = None) -> ApiError:
+    """An orchestrator error reply (or a request that failed in the pipeline) as an ApiError;
+    kinds not listed (internal, verification_failed, ...) are 500 server errors."""
+    status, type_, code = PIPELINE_ERRORS.get(kind, (500, "server_error", kind))
+    return ApiError(status, message, type=type_, code=code, param=param if status == 400 else None)
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SpeculationOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """The extension field `speculation`: which drafter, how many draft tokens per step."""
+
+    drafter: str | None = None
+    k: int | Literal["auto"] | None = None
+    max_iterations: int | None = None
+
+
+class _Request(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM's spelling; -1 or 0 disables it)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # extension (as vLLM): keep generating past end-of-sequence
+    speculation: SpeculationOptions | None = None  # extension
+    # OpenAI features this server does not have: accepted only when they ask for nothing.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class CompletionRequest(_Request, kw_only=True):
+    prompt: str | list[str]
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Request, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+_AT = re.compile(r"at `\$\.([^`\[]+)")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def decode_request(body: bytes, chat: bool) -> CompletionRequest | ChatRequest:
+    """Malformed JSON, a wrong type or a missing field: a 400 naming the field."""
+    try:
+        return msgspec.json.decode(body, type=ChatRequest if chat else CompletionRequest)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _AT.search(text) or _MISSING.search(text)
+        raise ApiError(400, f"invalid request: {text}", param=found.group(1) if found else None) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # an unknown field nested thousands deep: refused, never a 500
+        raise ApiError(400, "the body's JSON nests too deeply", code="invalid_json") from None
+
+
+def _neutral(req: CompletionRequest | ChatRequest) -> None:
+    """Refuse, by name, what this server cannot do, unless the request asks for nothing."""
+    asks = {
+        "n": req.n not in (None, 1),
+        "logprobs": bool(req.logprobs),
+        "top_logprobs": bool(req.top_logprobs),
+        "logit_bias": bool(req.logit_bias),
+        "presence_penalty": bool(req.presence_penalty),
+        "frequency_penalty": bool(req.frequency_penalty),
+    }
+    if isinstance(req, CompletionRequest):
+        asks |= {"best_of": req.best_of not in (None, 1), "echo": bool(req.echo), "suffix": bool(req.suffix)}
+    else:
+        kind = (req.response_format or {}).get("type", "text")
+        asks |= {"tools": bool(req.tools), "response_format": kind != "text"}
+    for name, asked in asks.items():
+        if asked:
+            detail = "only n = 1 is supported" if name == "n" else f"{name} is not supported by this server"
+            raise ApiError(400, detail, param=name, code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+
+def check_model(requested: str | None, model_id: str) -> None:
+    """The one model this pipeline serves; a request that names none gets it too."""
+    if requested is not None and requested != model_id:
+        raise ApiError(
+            404,
+            f"the model `{requested}` does not exist; this server serves `{model_id}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
+    chat_limit = req.max_completion_tokens if isinstance(req, ChatRequest) else None
+    max_tokens = chat_limit if chat_limit is not None else req.max_tokens
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            stop=stop,
+            ignore_eos=bool(req.ignore_eos),
+        )
+    except ValueError as exc:  # SamplingParams names the setting first ("top_p must be ...")
+        name = str(exc).split()[0]
+        chat_name = "max_completion_tokens" if chat_limit is not None else "max_tokens"
+        param = {"stop": "stop", "max_tokens": chat_name}
+        raise ApiError(400, str(exc), param=param.get(name, name)) from None
+
+
+def _speculation(options: SpeculationOptions | None) -> dict[str, Any]:
+    """The request's overrides, checked by `Speculation` itself; the pipeline applies its defaults."""
+    if options is None:
+        return {}
+    k = None if options.k == "auto" else options.k
+    try:
+        Speculation().overridden(drafter=options.drafter, k=k, max_iterations=options.max_iterations)
+    except SpeculationError as exc:
+        raise ApiError(400, f"speculation.{exc}", param=f"speculation.{exc.field}") from None
+    return {"drafter": options.drafter, "k": k, "max_iterations": options.max_iterations}
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    if not messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise ApiError(400, "only text content parts are supported", param=f"messages.{i}.content")
+            content = "".join(part.text or "" for part in content)
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def to_submit(req: CompletionRequest | ChatRequest, model_id: str) -> Submit:
+    """Every check a request gets before it reaches the pipeline, then the pipeline's Submit."""
+    check_model(req.model, model_id)
+    _neutral(req)
+    params, speculation = sampling_params(req), _speculation(req.speculation)
+    if isinstance(req, ChatRequest):
+        return submit_message(messages=_chat_messages(req.messages), params=params, **speculation)
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(
+                400, "give one prompt per request (a list must hold exactly one string)", param="prompt"
+            )
+        prompt = prompt[0]
+    return submit_message(prompt, params=params, **speculation)
+
+
+# --- responses ------------------------------------------------------------------------
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "max_iterations_exceeded": "length"}
+
+
+def failure(done: Result) -> ApiError | None:
+    """A final result that is not a completion (failed or cancelled in the pipeline)."""
+    if done.error is not None:
+        return pipeline_error(done.error.kind, done.error.message)
+    if done.finish_reason not in FINISH_REASONS:
+        return ApiError(
+            500, f"the request ended as {done.finish_reason}", type="server_error", code="aborted"
+        )
+    return None
+
+
+def usage(done: Result, prompt_tokens: int) -> dict[str, int]:
+    completion = len(done.tokens)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def speculation_stats(done: Result) -> dict[str, Any]:
+    """The extension field on the final chunk and response: the pipeline's stats for this
+    request (drafter, steps, acceptance...), its request id (the audit trail's key), and the
+    pipeline's own finish reason (max_iterations_exceeded shows as "length" above)."""
+    return {
+        "request_id": done.request_id,
+        "finish_reason": done.finish_reason,
+        **msgspec.to_builtins(done.stats),
+    }
+
+
+class Formatter:
+    """Chunks and responses for one request, in the chat or the text-completion shape."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, created: int, prompt_tokens: int) -> None:
+        self.chat, self.model, self.created, self.prompt_tokens = chat, model, created, prompt_tokens
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def opening(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role, as OpenAI's do."""
+        return self._chunk("", None, role=True) if self.chat else None
+
+    def text(self, text: str) -> dict[str, Any]:
+        return self._chunk(text, None)
+
+    def closing(self, done: Result) -> dict[str, Any]:
+        """The chunk carrying finish_reason, with usage and the speculation stats (extensions
+        here: OpenAI sends usage only in the include_usage chunk)."""
+        chunk = self._chunk(None, FINISH_REASONS[done.finish_reason])
+        return chunk | {"usage": usage(done, self.prompt_tokens), "speculation": speculation_stats(done)}
+
+    def usage_chunk(self, done: Result) -> dict[str, Any]:
+        """stream_options.include_usage: one more chunk, with no choices, as OpenAI sends it."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(kind, []) | {"usage": usage(done, self.prompt_tokens)}
+
+    def response(self, done: Result) -> dict[str, Any]:
+        reason = FINISH_REASONS[done.finish_reason]
+        if self.chat:
+            message = {"role": "assistant", "content": done.text}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
+            body = self._envelope("text_completion", [choice])
+        return body | {"usage": usage(done, self.prompt_tokens), "speculation": speculation_stats(done)}
+
+
+_json = msgspec.json.Encoder()
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def event(data: dict[str, Any]) -> bytes:
+    """One Server-Sent Event carrying a JSON object."""
+    return b"data: " + _json.encode(data) + b"\n\n"

@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP gateway's application (its process is lanes/gateway.py, served by
+hypercorn's trio worker). It holds no model and
+no request state of its own: each HTTP request becomes one pipeline request through the
+orchestrator's client socket (`AsyncClient`), so exactness, batching and fault handling are
+the pipeline's. The wire format lives in api/openai.py; this module is HTTP and lifetimes.
+
+A client that goes away mid-request (stream or not) gets its pipeline request cancelled at
+once rather than after the orchestrator's idle timeout: the KV cache and the verifier's
+batch slot are freed for the clients still there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import hypercorn
+import hypercorn.trio
+import msgspec
+import trio
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pipeline.api.keys import RequireKey, load_keys
+from pipeline.api.openai import (
+    DONE_EVENT,
+    ApiError,
+    ChatRequest,
+    Formatter,
+    check_model,
+    decode_request,
+    event,
+    failure,
+    pipeline_error,
+    to_submit,
+)
+from pipeline.decoding.result import Result
+from pipeline.protocol.client import AsyncClient, PipelineError
+from pipeline.protocol.config import Config
+from pipeline.protocol.messages import SpeculativeState
+
+log = logging.getLogger(__name__)
+
+REQUIRED_LANES = ("orchestrator", "verify")  # without these nothing decodes; draft and audit degrade
+READY_CHECK_SECONDS = 2.0  # how long a readiness check may take before the answer is 503
+READY_TRUST_SECONDS = 1.0  # a successful check is reused this long
+CANCEL_SECONDS = 5.0
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+class Generation:
+    """One pipeline request behind one HTTP request: its chunks, and a cancel that is sent
+    exactly once unless the request has finished."""
+
+    def __init__(self, gateway: Gateway, request_id: str) -> None:
+        self.gateway, self.request_id = gateway, request_id
+        self.done: Result | None = None
+        self.closed = False
+        gateway.opened(self)
+
+    async def items(self) -> AsyncIterator[Any]:
+        async for item in self.gateway.client.chunks(self.request_id):
+            if isinstance(item, Result):
+                self.done = item
+            yield item
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.gateway.closed(self)
+        if self.done is not None:
+            return
+        log.info("client of %s went away: cancelling it", self.request_id)
+        with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_SECONDS):
+            try:
+                await self.gateway.client.cancel(self.request_id)
+            except PipelineError as exc:
+                log.warning("cancelling %s failed: %s", self.request_id, exc)
+
+
+class Gateway:
+    def __init__(self, config: Config, totals: SpeculativeState | None = None) -> None:
+        self.config, self.totals = config, totals  # the gateway lane's heartbeat totals, if any
+        self.model = config.model_id()  # gateway.model, else the GGUF's file name without .gguf
+        self.client = AsyncClient(config.addresses.client, timeout=config.timeouts.send + 5.0)
+        self.generations: set[Generation] = set()
+        self.ready_until = -math.inf
+        self.created = int(time.time())
+
+    # --- bookkeeping, reported in the heartbeats ---------------------------------------
+
+    def opened(self, generation: Generation) -> None:
+        self.generations.add(generation)
+        self._report()
+
+    def closed(self, generation: Generation) -> None:
+        self.generations.discard(generation)
+        if self.totals is not None:
+            self.totals.runs += 1
+        self._report()
+
+    def _report(self) -> None:
+        if self.totals is not None:
+            self.totals.active_requests = len(self.generations)
+
+    # --- readiness ---------------------------------------------------------------------
+
+    async def not_ready(self) -> str | None:
+        """Why the pipeline cannot take a request now, or None when it can."""
+        if trio.current_time() < self.ready_until:
+            return None
+        try:
+            report = await self.client.status(timeout=READY_CHECK_SECONDS)
+        except PipelineError as exc:
+            return f"the pipeline's orchestrator does not answer ({exc.message})"
+        down = [lane.name for lane in report.lanes if lane.name in REQUIRED_LANES and lane.state != "up"]
+        if down:
+            return f"the pipeline is not ready (not up: {', '.join(down)})"
+        self.ready_until = trio.current_time() + READY_TRUST_SECONDS
+        return None
+
+    async def require_ready(self) -> None:
+        reason = await self.not_ready()
+        if reason is not None:
+            raise ApiError(503, reason, type="server_error", code="pipeline_unavailable")
+
+    # --- endpoints ---------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        reason = await self.not_ready()
+        body = {"status": "ok" if reason is None else "unavailable", "model": self.model}
+        return JSONResponse(
+            body if reason is None else body | {"reason": reason}, 200 if reason is None else 503
+        )
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "speclanes"}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        check_model(request.path_params["model"], self.model)
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        req = decode_request(await request.body(), chat)
+        submit = to_submit(req, self.model)
+        # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
+        trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
+        submit = msgspec.structs.replace(submit, trace=trace) if trace else submit
+        await self.require_ready()
+        try:
+            submitted = await self.client.call(submit)
+        except PipelineError as exc:
+            param = "messages" if isinstance(req, ChatRequest) else "prompt"
+            raise pipeline_error(exc.kind, exc.message, param) from None
+        generation = Generation(self, submitted.request_id)
+        fmt = Formatter(chat, submitted.request_id, self.model, int(time.time()), submitted.prompt_tokens)
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(
+                self.events(generation, fmt, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                background=BackgroundTask(generation.close),  # runs also when the client left
+            )
+        return JSONResponse(await self.collect(request, generation, fmt))
+
+    async def events(
+        self, generation: Generation, fmt: Formatter, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        try:
+            if (opening := fmt.opening()) is not None:
+                yield event(opening)
+            async for item in generation.items():
+                if not isinstance(item, Result):
+                    if item.text:
+                        yield event(fmt.text(item.text))
+                elif (error := failure(item)) is not None:
+                    yield event(error.body())
+                else:
+                    yield event(fmt.closing(item))
+                    if include_usage:
+                        yield event(fmt.usage_chunk(item))
+        except PipelineError as exc:  # the orchestrator went away mid-stream
+            yield event(pipeline_error(exc.kind, exc.message).body())
+        finally:
+            await generation.close()
+        yield DONE_EVENT
+
+    async def collect(self, request: Request, generation: Generation, fmt: Formatter) -> dict[str, Any]:
+        """The whole completion, while watching for the client to disconnect."""
+        done: Result | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                async for item in generation.items():
+                    if isinstance(item, Result):
+                        done = item
+                nursery.cancel_scope.cancel()
+        except PipelineError as exc:
+            raise pipeline_error(exc.kind, exc.message) from None
+        finally:
+            await generation.close()
+        if done is None:  # the client left; nobody reads this
+            raise ApiError(499, "the client closed the request", code="client_closed_request")
+        if (error := failure(done)) is not None:
+            raise error
+        return fmt.response(done)
+
+    # --- the application ---------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        handlers: dict[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
+        keys = load_keys(self.config.gateway.api_key_file, os.environ)
+        return Starlette(
+            routes=routes, exception_handlers=handlers, middleware=[Middleware(RequireKey, keys=keys)]
+        )
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), exc.status)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths and wrong methods, in the same error format as everything else."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse(ApiError(exc.status_code, message, code=kind).body(), exc.status_code, exc.headers)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("request failed", exc_info=exc)
+    error = ApiError(500, f"internal error: {exc!r}", type="server_error", code="internal")
+    return JSONResponse(error.body(), 500)
+
+
+def hypercorn_config(config: Config) -> hypercorn.Config:
+    settings = hypercorn.Config()
+    host = config.gateway.host
+    settings.bind = [f"[{host}]:{config.gateway.port}" if ":" in host else f"{host}:{config.gateway.port}"]
+    settings.accesslog = logging.getLogger("hypercorn.access")
+    settings.errorlog = logging.getLogger("hypercorn.error")
+    return settings
+
+
+def exception_leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (exception_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]

@@ -1,0 +1,177 @@
+"""What the benchmarks share: the workloads, progress lines, decode rates, and a private
+pipeline with the per-process CPU accounting that goes with it.
+
+Each benchmark module declares its own CLI arguments (`add_parser`) and runs from `main(args)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.model import Runtime as Model
+from pipeline.protocol.client import Client, PipelineError
+from pipeline.protocol.config import Config
+from pipeline.service.launch import launch, stop
+
+
+def progress(bench: str, text: str) -> None:
+    """Progress goes to stderr, so `--json` output stays one object."""
+    print(f"bench {bench}: {text}", file=sys.stderr, flush=True)
+
+
+def decode_rate(tokens: int, seconds: float, first_token_seconds: float) -> float:
+    """Tokens after the first over the time after the first: decoding speed, prefill excluded."""
+    return (tokens - 1) / max(seconds - first_token_seconds, 1e-9)
+
+
+def result_decode_rate(result: Result) -> float:
+    return decode_rate(len(result.tokens), result.stats.wall_seconds, result.stats.prefill_seconds)
+
+
+def run_decode_rate(run: dict) -> float:
+    """Of a peers-bench run: {"tokens", "seconds", "first_token_seconds"}."""
+    return decode_rate(len(run["tokens"]), run["seconds"], run["first_token_seconds"])
+
+
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small brass "
+    "lantern, a notebook bound in green leather, and a flask of strong black tea. At the top he trimmed "
+    "the wick, polished the great lens until it shone, and wrote down the direction of the wind, the "
+    "colour of the sea and the names of any ships that passed. In forty years he had never missed a "
+    "night. The villagers said the light had never once gone dark while he kept it, not even in the "
+    "great storm of the winter when the waves reached the windows of the lamp room."
+)
+
+
+CODE = """def summarize(records):
+    total = 0
+    count = 0
+    for record in records:
+        if record.get("valid"):
+            total += record["value"]
+            count += 1
+    if count == 0:
+        return None
+    average = total / count
+    return {"total": total, "count": count, "average": average}
+"""
+
+
+WORKLOADS = {
+    "chat": "Write a short story about a robot who learns to paint.",
+    "quote": f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+    "code": "Rename the variable `total` to `running_sum` in this function and show the whole "
+    f"updated function:\n\n```python\n{CODE}```",
+}
+
+
+@contextlib.contextmanager
+def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> Iterator[Config]:
+    """A pipeline in a fresh temp run dir; SIGTERM to its supervisor on the way out, even on error.
+
+    The environment's SPECLANES_* settings are left out, so a user's configuration cannot make
+    the pipeline and the in-process reference differ; `env` adds variables for the pipeline's
+    processes (OTEL_* for the tracing bench)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="speclanes-bench-"))
+    # No HTTP gateway: the bench talks to the orchestrator, and a gateway would take port 8000
+    # from a pipeline the user runs (or from the bench's other pipeline).
+    overrides = [f"run.dir={run_dir}", "gateway.enabled=false", *settings]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECLANES_")}, **(env or {})}
+    ok = False
+    try:
+        proc, config = launch(overrides, env=env)
+    except BaseException:
+        progress("pipeline", f"left the failed pipeline's logs in {run_dir}")
+        raise
+    try:
+        yield config
+        ok = True
+    finally:
+        stop(proc)
+        if ok:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            progress("pipeline", f"left the failed pipeline's logs in {run_dir}")
+
+
+def settled_status(client: Client, config: Config):
+    """Lane totals travel in heartbeats: wait for a few so the last step is counted."""
+    time.sleep(3 * config.run.heartbeat_seconds + 0.1)
+    return client.status()
+
+
+def lane_pids(report) -> dict[str, int]:
+    return {lane.name: lane.pid for lane in report.lanes if lane.pid}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a whole process (all its threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each lane, of this process (the clients), and of the machine."""
+    snapshot = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    times = os.times()
+    snapshot["clients"] = times.user + times.system
+    snapshot["machine"] = machine_busy_seconds()
+    return snapshot
+
+
+def busy_cores(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Cores each process kept busy on average, and `others`: everything on the machine that is
+    not ours. A busy `others` means the figures were taken on a noisy machine."""
+    cores = {name: (after[name] - before[name]) / wall for name in after}
+    machine = cores.pop("machine")
+    cores["others"] = max(0.0, machine - sum(cores.values()))
+    return cores
+
+
+def via_pipeline(client: Client, text: str, params: SamplingParams, drafter: str) -> dict:
+    """One chat request through the pipeline, timed from submit to the final object."""
+    start = time.perf_counter()
+    request_id = client.submit(text, chat=True, params=params, drafter=drafter).request_id
+    *_, done = client.chunks(request_id)
+    seconds = time.perf_counter() - start
+    assert isinstance(done, Result)
+    if done.error is not None:
+        raise PipelineError(done.error.kind, f"request {request_id}: {done.error.message}")
+    stats = done.stats
+    return {
+        "prompt_tokens": done.prompt_tokens, "tokens": done.tokens, "text": done.text,
+        "seconds": seconds, "tokens_per_second": len(done.tokens) / seconds,
+        "orchestrator_tokens_per_second": stats.tokens_per_second, "steps": stats.steps,
+        "acceptance_rate": stats.acceptance_rate,
+    }  # fmt: skip
+
+
+def same_output(a: dict, b: dict) -> bool:
+    return a["prompt_tokens"] == b["prompt_tokens"] and a["tokens"] == b["tokens"] and a["text"] == b["text"]
+
+
+def chat_prompt(model: Model, text: str) -> list[int]:
+    assert model.tokenizer is not None
+    return model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))

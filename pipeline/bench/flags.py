@@ -1,0 +1,19 @@
+"""Flags that several commands share (the CLI's `generate` too); kept free of heavy imports,
+so building the command line stays fast."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_backend_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", default="auto", metavar="NAME",
+        help="auto (default: native where it runs, else numpy), native, torch, numpy, or a key (torch:bf16)",
+    )  # fmt: skip
+
+
+def add_set_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
+    )

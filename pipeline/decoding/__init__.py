@@ -1,0 +1,12 @@
+"""The decoding core, pure and in-process: what makes speculative output exact.
+
+- `sampling`: temperature / top-k / top-p as probability rows, seeded draws;
+- `acceptance`: the rejection-sampling rule as pure functions, with decision records;
+- `adaptive`: choosing k from measured acceptance and costs;
+- `speculation`: `Speculation`, the one validated home of drafter, k, k_max and the step limit;
+- `session` (the accepted tokens' side), `target` (the KV cache and the verifier's random
+  stream), `speculative` (the in-process step loop that joins them);
+- `output`: EOS, stop strings, max tokens; `result`: the typed final `Result`;
+- `drafters/`: one proposer per file (ngram, suffix, model, composite); `registry` names them.
+A new drafter is a file in `drafters/` plus one line in `drafters/registry.py`.
+"""

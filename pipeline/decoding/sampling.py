@@ -1,0 +1,114 @@
+"""Sampling as pure functions on numpy arrays.
+
+Every way of choosing a token is expressed as a probability vector (greedy is the
+one-hot of the argmax), so plain decoding and speculative acceptance share one
+definition of "the target's distribution", and every draw is an explicit uniform
+number that can be recorded and replayed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+
+MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a request chooses tokens and when it stops. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens > MAX_TOKENS_LIMIT:  # generation also ends where the context does
+            raise ValueError(f"max_tokens must be <= {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_rng(seed: int | None) -> tuple[np.random.Generator, int]:
+    """A per-request generator and the seed it used (drawn fresh when none was given)."""
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % 2**63)  # type: ignore[operator]
+    return np.random.Generator(np.random.PCG64(seed)), seed
+
+
+def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution a token is drawn from: temperature, then top-k, then top-p.
+
+    Works on one row (vocab,) or a block of rows (n, vocab); returns float64 rows
+    that sum to 1. Greedy gives the one-hot of the first argmax.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        probs = np.zeros_like(logits)
+        np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
+        return probs
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        probs = _top_p(probs, scaled, params.top_p)
+    return probs
+
+
+def _top_p(probs: np.ndarray, scaled: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest most-likely set whose mass reaches top_p (at least one token).
+
+    Ranked by logit, not probability: logits a hair apart can round to equal
+    probabilities, and the more likely token must never be the one dropped.
+    """
+    order = np.argsort(-scaled, axis=-1, kind="stable")
+    sorted_probs = np.take_along_axis(probs, order, axis=-1)
+    mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep = np.zeros_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+def draw(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from one probability row with the uniform number u in [0, 1)."""
+    cdf = np.cumsum(probs)
+    # side="right" lands only on entries with mass; round-off can overshoot the end.
+    index = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return index if index < probs.size else int(np.flatnonzero(probs)[-1])
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> tuple[int, float | None]:
+    """A token from one probability row, and the uniform draw it spent.
+
+    A draw is spent only if more than one token is possible, so greedy decoding (and
+    any filter that leaves one token) consumes no randomness.
+    """
+    support = np.flatnonzero(probs)
+    if support.size == 1:
+        return int(support[0]), None
+    u = float(rng.random())
+    return draw(probs, u), u

@@ -1,0 +1,162 @@
+"""Tokenizer and chat template rebuilt from GGUF metadata.
+
+Encoding is HF `tokenizers` (a BPE model from the file's vocabulary and merges),
+streaming decoding is its `DecodeStream` (it holds bytes back until they form whole
+UTF-8 characters), and chat templates render with jinja2 configured the way
+transformers' `apply_chat_template` configures it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from pipeline.model.errors import ModelFileError
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _byte_level(use_regex: bool) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), _byte_level(False)]
+    )
+
+
+# llama.cpp's `tokenizer.ggml.pre` names -> the pre-tokenizer that reproduces them.
+PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _byte_level(True)]
+    ),
+    "gpt2": lambda: _byte_level(True),
+    "default": lambda: _byte_level(True),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+}
+
+
+def build_hf_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
+    """A `tokenizers.Tokenizer` equivalent to the one the GGUF describes."""
+    kind = meta["tokenizer.ggml.model"]
+    if kind != "gpt2":
+        raise ModelFileError(f"unsupported tokenizer model {kind!r} (supported: byte-level BPE 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    if pre not in PRE_TOKENIZERS:
+        raise ModelFileError(f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZERS)})")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"] or []]
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok.add_special_tokens([AddedToken(tokens[i], special=True) for i, t in enumerate(types) if t == CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False) for i, t in enumerate(types) if t == USER_DEFINED])
+    return tok
+
+
+class Tokenizer:
+    """Text <-> ids for one model, plus its chat template and special ids."""
+
+    def __init__(self, hf: HFTokenizer, info: dict[str, Any]) -> None:
+        self.hf = hf
+        self.bos_id: int | None = info.get("bos_id")
+        self.eos_id: int | None = info.get("eos_id")
+        self.add_bos: bool = bool(info.get("add_bos"))
+        self.chat_template: str | None = info.get("chat_template")
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        return cls(build_hf_tokenizer(meta), _info_from_metadata(meta))
+
+    @classmethod
+    def from_json(cls, tokenizer_json: str, info_json: str) -> Tokenizer:
+        return cls(HFTokenizer.from_str(tokenizer_json), json.loads(info_json))
+
+    def to_json(self) -> tuple[str, str]:
+        info = {
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "add_bos": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        return self.hf.to_str(), json.dumps(info)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.id_to_token(token_id) or ""
+
+    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a plain prompt instead")
+        for m in messages:
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise ValueError('each chat message must be an object {"role": str, "content": str}')
+        template = _chat_environment().from_string(self.chat_template)
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
+            eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
+        )
+
+    def stream(self, *, skip_special: bool = False) -> TextStream:
+        return TextStream(self, skip_special)
+
+
+class TextStream:
+    """Turns ids into text as they arrive, never splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool) -> None:
+        self._hf = tokenizer.hf
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special)
+
+    def push(self, token_id: int) -> str:
+        return self._stream.step(self._hf, token_id) or ""
+
+
+def _info_from_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bos_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "add_bos": bool(meta.get("tokenizer.ggml.add_bos_token")),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _chat_environment() -> jinja2.Environment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env

@@ -1,0 +1,50 @@
+"""What the orchestration core asks of the world: the only outputs of its I/O-free parts.
+
+The request machine returns these; the hub turns `Record`, `Raise`, `Stepped` and
+`FirstToken` into audit events, faults and metrics, and hands every `Send` to the lane
+process (lanes/orchestrator.py), which owns the sockets.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from pipeline.protocol.messages import AuditEvent, FaultKind
+
+
+class Send(NamedTuple):
+    lane: str  # verify | draft | audit
+    message: msgspec.Struct | bytes  # bytes: an audit event already encoded (the outbox keeps them)
+    event_id: str = ""  # for audit sends: which outbox entry to mark unsent if the lane cannot take it
+
+
+class Record(NamedTuple):
+    event: AuditEvent
+
+
+class Raise(NamedTuple):
+    kind: FaultKind
+    lane: str
+    message: str
+    request_id: str | None = None
+
+
+class Stepped(NamedTuple):
+    drafter: str
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+
+
+class FirstToken(NamedTuple):
+    seconds: float
+
+
+class DraftLaneSlow(NamedTuple):
+    """A draft timed out: the hub skips drafting until the lane's next heartbeat."""
+
+
+Effect = Send | Record | Raise | Stepped | FirstToken | DraftLaneSlow

@@ -1,0 +1,97 @@
+"""What the orchestrator knows of each lane: state, pid, restarts, totals, runtime.
+
+Fed by the control lane (the supervisor's LaneUp/LaneDown, each lane's Heartbeat); read by
+request machines (is the verify lane up, is the draft lane worth asking) and by `status`.
+A heartbeat from a pid already reported dead is ignored: it was in flight when it died.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pipeline.protocol.messages import Heartbeat, LaneDown, LaneStatus, LaneUp, SpeculativeState
+
+LANES = ("verify", "draft", "audit", "orchestrator")
+
+
+@dataclass
+class LaneView:
+    name: str
+    state: str = "starting"  # starting | up | stalled | down
+    pid: int | None = None
+    restarts: int = 0
+    totals: SpeculativeState = field(default_factory=SpeculativeState)
+    last_beat: float = -math.inf
+    slow_since: float | None = None  # a draft timed out; skip drafting until a newer heartbeat
+    dead_pids: set[int] = field(default_factory=set)
+    runtime: dict[str, Any] = field(default_factory=dict)
+    snapshot_at: float = -math.inf  # when its totals last went to the audit trail
+
+    def usable(self) -> bool:
+        return self.state == "up" and (self.slow_since is None or self.last_beat > self.slow_since)
+
+    def status(self) -> LaneStatus:
+        return LaneStatus(
+            name=self.name, state=self.state, pid=self.pid, restarts=self.restarts,
+            active_requests=self.totals.active_requests, totals=self.totals, runtime=self.runtime,
+        )  # fmt: skip
+
+
+Change = Literal["ignored", "beat", "came_up", "went_down"]
+
+
+class LaneTable:
+    def __init__(self, names: tuple[str, ...] = LANES) -> None:
+        self.views = {name: LaneView(name) for name in names}
+
+    def __getitem__(self, name: str) -> LaneView:
+        return self.views[name]
+
+    def is_up(self, name: str) -> bool:
+        return name in self.views and self.views[name].state == "up"
+
+    def usable(self, name: str) -> bool:
+        return name in self.views and self.views[name].usable()
+
+    def mark_slow(self, name: str, now: float) -> None:
+        self.views[name].slow_since = now
+
+    def update(self, msg: LaneUp | LaneDown | Heartbeat, now: float) -> Change:
+        if msg.lane == "gateway":
+            self.views.setdefault("gateway", LaneView("gateway"))  # possibly one on another host
+        lane = self.views.get(msg.lane)
+        if lane is None:
+            return "ignored"
+        if isinstance(msg, LaneUp):
+            lane.pid, lane.restarts = msg.pid, msg.restarts
+            if lane.state != "up":
+                lane.state = "starting"
+            return "beat"
+        if isinstance(msg, LaneDown):
+            lane.dead_pids.add(msg.pid)
+            lane.state, lane.restarts = "down", msg.restarts
+            return "went_down"
+        if msg.pid in lane.dead_pids:
+            return "ignored"
+        came_up = lane.state != "up"
+        lane.state, lane.pid, lane.totals, lane.last_beat = "up", msg.pid, msg.state, now
+        lane.runtime = msg.runtime
+        return "came_up" if came_up else "beat"
+
+    def stalled(self, now: float, hang_seconds: float) -> list[str]:
+        """Lanes up but silent for `hang_seconds`, now marked "stalled" (the supervisor kills and
+        restarts them; a heartbeat brings one back). The orchestrator's own beats are not watched."""
+        if hang_seconds <= 0:
+            return []
+        silent = [
+            lane for lane in self.views.values()
+            if lane.state == "up" and lane.name != "orchestrator" and now - lane.last_beat > hang_seconds
+        ]  # fmt: skip
+        for lane in silent:
+            lane.state = "stalled"
+        return [lane.name for lane in silent]
+
+    def statuses(self) -> list[LaneStatus]:
+        return [lane.status() for lane in self.views.values()]

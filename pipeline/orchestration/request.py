@@ -1,0 +1,303 @@
+"""One request's step protocol, as a state machine with no I/O.
+
+It owns the request's accepted tokens (a `Session`) and knows the one message it is waiting
+for: the Open of its prompt, a DraftRequest, a Verify, or the Open that re-primes a verify
+lane that lost the request. Each reply, timeout or lane change advances it and returns
+`effects` (messages to send, events to record). Faults only cost speed:
+- a draft lane that is down, slow or failing turns the step into plain decoding;
+- a verify lane that restarts gets the pending message again, and a verify lane that answers
+  "unknown request" is re-primed from the accepted prefix, then asked the same step again;
+- any other verify failure ends the request with an error result.
+Replies that do not match the pending message (late, repeated) change nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipeline.decoding.result import Result
+from pipeline.decoding.session import Session
+from pipeline.orchestration.effects import DraftLaneSlow, Effect, FirstToken, Raise, Record, Send, Stepped
+from pipeline.orchestration.lane_table import LaneTable
+from pipeline.protocol.config import Timeouts
+from pipeline.protocol.messages import (
+    BadMessage,
+    Chunk,
+    Close,
+    Drafted,
+    DraftRequest,
+    Open,
+    Opened,
+    Rows,
+    StepEvent,
+    StepFailed,
+    Verified,
+    Verify,
+)
+
+Reply = Opened | Verified | Drafted | StepFailed
+KIND = {
+    Open: "open",
+    Verify: "verify",
+    DraftRequest: "draft",
+    Opened: "open",
+    Verified: "verify",
+    Drafted: "draft",
+}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a request is, fixed at admission."""
+
+    id: str
+    seed: int
+    drafter: str
+    trace: dict[str, str]
+    started: float  # monotonic
+    submitted: float  # wall clock, for the audit trail
+
+
+@dataclass
+class Planned:
+    """The step being prepared: how many drafts it may verify, what was drafted and how fast."""
+
+    want: int
+    drafter: str = ""
+    drafts: tuple[int, ...] = ()
+    rows: Rows | None = None
+    draft_started: float = 0.0
+    draft_seconds: float = 0.0
+    verify_started: float = 0.0
+
+
+class RequestMachine:
+    def __init__(self, who: Identity, session: Session, lanes: LaneTable, timeouts: Timeouts) -> None:
+        self.who, self.session, self.lanes, self.timeouts = who, session, lanes, timeouts
+        self.step = 0  # the last completed step
+        self.draws = 0  # uniforms the verifier has spent for this request
+        self.chunks: list[Chunk] = []
+        self.result: Result | None = None
+        self.pending: Open | Verify | DraftRequest | None = None
+        self.deadline = math.inf
+        self.planned: Planned | None = None
+        self.prefill_seconds = 0.0
+        self.waiting_for_verify_lane = False
+
+    @property
+    def id(self) -> str:
+        return self.who.id
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    # --- inputs ------------------------------------------------------------------------
+
+    def begin(self, now: float) -> list[Effect]:
+        session = self.session
+        return self._to_verify(
+            Open(
+                request_id=self.id, step=0, tokens=session.prompt_tokens, params=session.params,
+                seed=self.who.seed, capacity=session.capacity(), trace=self.who.trace,
+            ),
+            now,
+        )  # fmt: skip
+
+    def on_reply(self, msg: Reply, now: float) -> list[Effect]:
+        pending = self.pending
+        kind = msg.origin if isinstance(msg, StepFailed) else KIND[type(msg)]
+        if self.done or pending is None or kind != KIND[type(pending)] or msg.step != pending.step:
+            return []  # late or repeated: already dealt with
+        self.pending, self.deadline = None, math.inf
+        if isinstance(msg, StepFailed):
+            return self._failed(msg, now)
+        if isinstance(msg, Drafted):
+            return self._drafted(msg, now)
+        if isinstance(msg, Opened):
+            assert isinstance(pending, Open)
+            if not pending.sample:  # the lane is re-primed: ask it the lost step again
+                return self._verify_step(now)
+            return self._opened(msg, now)
+        return self._verified(msg, now)
+
+    def verify_lane_up(self, now: float) -> list[Effect]:
+        """Send again what a verify lane that went down (or was not yet up) never answered."""
+        if not self.waiting_for_verify_lane or not isinstance(self.pending, Open | Verify):
+            return []
+        return self._to_verify(self.pending, now)
+
+    def lane_down(self, lane: str, now: float) -> list[Effect]:
+        if isinstance(self.pending, DraftRequest) and lane == "draft":
+            self.pending = None
+            return self._verify_step(now)
+        if isinstance(self.pending, Open | Verify) and lane == "verify":
+            self.waiting_for_verify_lane, self.deadline = True, math.inf
+        return []
+
+    def draft_unsent(self, now: float) -> list[Effect]:
+        """The draft lane could not take the request: this step decodes plainly."""
+        if not isinstance(self.pending, DraftRequest):
+            return []
+        self.pending = None
+        return self._verify_step(now)
+
+    def tick(self, now: float) -> list[Effect]:
+        if self.done or now < self.deadline or self.pending is None:
+            return []
+        pending = self.pending
+        if isinstance(pending, DraftRequest):
+            self.pending = None
+            message = f"no draft for step {pending.step} in time; decoding plainly"
+            return [DraftLaneSlow(), Raise("timeout", "draft", message, self.id), *self._verify_step(now)]
+        message = f"no answer to {KIND[type(pending)]} step {pending.step}; re-sending"
+        return [Raise("timeout", "verify", message, self.id), *self._to_verify(pending, now)]
+
+    def cancel(self, now: float) -> list[Effect]:
+        return [] if self.done else self._finish(now, "cancelled")
+
+    # --- steps -------------------------------------------------------------------------
+
+    def _to_verify(self, msg: Open | Verify, now: float) -> list[Effect]:
+        self.pending = msg
+        if not self.lanes.is_up("verify"):
+            self.waiting_for_verify_lane, self.deadline = True, math.inf
+            return []
+        timeout = self.timeouts.verify
+        if isinstance(msg, Open):
+            timeout += self.timeouts.prefill_per_token * len(msg.tokens)
+        self.waiting_for_verify_lane, self.deadline = False, now + timeout
+        return [Send("verify", msg)]
+
+    def _advance(self, now: float) -> list[Effect]:
+        """Plan the next step: ask for drafts if worth it, else verify plainly; or finish."""
+        want = self.session.plan()
+        if want is None:
+            return self._finish(now)
+        self.planned = Planned(want)
+        if want == 0 or not self.lanes.usable("draft"):
+            return self._verify_step(now)
+        session = self.session
+        self.planned.draft_started = now
+        self.pending = DraftRequest(
+            request_id=self.id, step=self.step + 1, drafter=self.who.drafter, params=session.params,
+            seed=self.who.seed, prompt_length=len(session.prompt_tokens), context=session.context,
+            k=want, trace=self.who.trace,
+        )  # fmt: skip
+        self.deadline = now + self.timeouts.draft
+        return [Send("draft", self.pending)]
+
+    def _drafted(self, msg: Drafted, now: float) -> list[Effect]:
+        planned = self.planned
+        assert planned is not None
+        drafts, effects = msg.tokens[: planned.want], []
+        try:
+            if msg.probs is not None and msg.probs.shape[0] >= len(drafts):
+                planned.rows = Rows.of(msg.probs.array()[: len(drafts)]) if drafts else None
+            elif msg.probs is not None:
+                drafts = []  # fewer rows than tokens: not a proposal the acceptance rule can use
+        except BadMessage as exc:  # rows whose bytes do not fit their shape: this step decodes plainly
+            drafts, planned.rows = [], None
+            effects.append(Raise("bad_request", "draft", f"draft rows for step {msg.step}: {exc}", self.id))
+        planned.drafts, planned.drafter = tuple(drafts), msg.drafter
+        planned.draft_seconds = now - planned.draft_started
+        return effects + self._verify_step(now)
+
+    def _verify_step(self, now: float) -> list[Effect]:
+        planned, session = self.planned, self.session
+        assert planned is not None
+        planned.verify_started = now
+        return self._to_verify(
+            Verify(
+                request_id=self.id, step=self.step + 1, position=len(session.context) - 1,
+                pending=session.context[-1], drafts=list(planned.drafts),
+                draft_probs=planned.rows if planned.drafts else None, trace=self.who.trace,
+            ),
+            now,
+        )  # fmt: skip
+
+    def _opened(self, msg: Opened, now: float) -> list[Effect]:
+        assert msg.token is not None
+        self.draws = msg.draws
+        self.prefill_seconds = now - self.who.started
+        self._emit(self.session.start(msg.token), 0)
+        effects: list[Effect] = [FirstToken(now - self.who.started), self._record(msg, now)]
+        return effects + self._advance(now)
+
+    def _verified(self, msg: Verified, now: float) -> list[Effect]:
+        planned, session = self.planned, self.session
+        assert planned is not None
+        verify_seconds = now - planned.verify_started
+        before = len(session.out.tokens)
+        text = session.record(
+            len(planned.drafts), msg.tokens, msg.accepted, planned.draft_seconds, verify_seconds
+        )
+        self.step, self.draws = msg.step, msg.draws
+        self._emit(text, before)
+        stepped = Stepped(
+            planned.drafter, len(planned.drafts), msg.accepted, planned.draft_seconds, verify_seconds
+        )
+        return [stepped, self._record(msg, now), *self._advance(now)]
+
+    def _failed(self, msg: StepFailed, now: float) -> list[Effect]:
+        if msg.origin == "draft":
+            return self._verify_step(now)  # the draft lane reported it: this step decodes plainly
+        if msg.kind == "unknown_request" and msg.origin == "verify":
+            session = self.session
+            return self._to_verify(
+                Open(
+                    request_id=self.id, step=self.step, tokens=session.context[:-1], params=session.params,
+                    seed=self.who.seed, draws=self.draws, sample=False, capacity=session.capacity(),
+                    trace=self.who.trace,
+                ),
+                now,
+            )  # fmt: skip
+        self.result = Result.failed(self.id, msg.kind, msg.message)
+        return [Raise(msg.kind, "verify", msg.message, self.id), *self._release()]
+
+    def _finish(self, now: float, reason: str | None = None) -> list[Effect]:
+        session = self.session
+        self._emit(session.finish_text(), len(session.out.tokens))
+        effects: list[Effect] = []
+        if session.out.finish_reason == "max_iterations_exceeded":
+            effects.append(
+                Raise("max_iterations_exceeded", "orchestrator", "ended after the step limit", self.id)
+            )
+        self.result = session.result(
+            wall=now - self.who.started, prefill_seconds=self.prefill_seconds, seed=self.who.seed,
+            drafter=self.who.drafter, request_id=self.id, finish_reason=reason,
+        )  # fmt: skip
+        return effects + self._release()
+
+    def _release(self) -> list[Effect]:
+        """Free the lanes' state (best effort: lanes also expire idle state)."""
+        self.pending, self.deadline = None, math.inf
+        return [
+            Send("verify", Close(request_id=self.id)),
+            Send("draft", Close(request_id=self.id, context=self.session.context)),
+        ]
+
+    # --- output ------------------------------------------------------------------------
+
+    def _emit(self, text: str, before: int) -> None:
+        tokens = self.session.out.tokens[before:]
+        if text or tokens:
+            self.chunks.append(Chunk(len(self.chunks), text, tokens))
+
+    def _record(self, reply: Opened | Verified, now: float) -> Record:
+        """The step for the audit trail (step 0 is the prefill that sampled the first token)."""
+        if isinstance(reply, Opened):
+            planned, emitted, decisions, final_u, batch = None, [reply.token], [], reply.u, 1
+        else:
+            planned, emitted, decisions = self.planned, list(reply.tokens), reply.decisions
+            final_u, batch = reply.final_u, reply.batch_size
+        return Record(
+            StepEvent(
+                event_id=f"{self.id}:step:{reply.step}", request_id=self.id,
+                time=self.who.submitted + (now - self.who.started), step=reply.step,
+                drafter=planned.drafter if planned else "", k=planned.want if planned else 0,
+                drafted=list(planned.drafts) if planned else [], emitted=emitted, decisions=decisions,
+                final_u=final_u, draws=reply.draws, batch_size=batch, backend=reply.backend,
+            )
+        )  # fmt: skip

@@ -1,0 +1,246 @@
+"""The pipeline's configuration: one TOML file, validated by msgspec, then overridden by
+environment variables (`SPECLANES_<SECTION>_<KEY>`) and `--set section.key=value` flags,
+in that order. `{run_dir}` in any string expands to the run directory, so the defaults
+put every socket and the audit store in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from pipeline.decoding.speculation import Speculation, SpeculationError
+
+LANES = ("orchestrator", "verify", "draft", "audit")
+# Everything a supervisor can run: the lanes and the HTTP gateway.
+COMPONENTS = (*LANES, "gateway")
+
+
+def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
+    base = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return str(Path(base) / f"speclanes-{os.getuid()}")
+
+
+class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Run(Section):
+    dir: str = ""
+    # Which processes this host's supervisor runs (multi-host: split them across hosts).
+    components: list[Literal["orchestrator", "verify", "draft", "audit", "gateway"]] = msgspec.field(
+        default_factory=lambda: list(COMPONENTS)
+    )
+    heartbeat_seconds: float = 0.5
+    batch_window_seconds: float = 0.004  # how long the verifier waits to batch requests
+    # Prompt rows per verify-lane forward; the rest waits for the next forward, so other requests'
+    # steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
+    prefill_chunk: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefill_chunk <= 8192:
+            raise ValueError(f"run.prefill_chunk must be 0..8192, got {self.prefill_chunk}")
+
+
+class ModelSection(Section):
+    path: str = ""  # empty: the embedded SmolLM2-135M-Instruct
+    draft_path: str = ""  # a smaller GGUF with the same vocabulary, for the `model` drafter
+    # auto: the native backend where this machine builds its kernels, else the numpy reference (logged);
+    # native/torch/numpy: that one or a clear error. A key such as "torch:bf16" also picks the format.
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        name, _, weight_format = self.backend.partition(":")
+        formats = {"auto": (), "native": ("q8",), "torch": ("int4", "bf16"), "numpy": ("f32",)}
+        if name not in formats or (weight_format and weight_format not in formats[name]):
+            raise ValueError(
+                f"model.backend must be auto, native, native:q8, torch, torch:int4, torch:bf16, numpy or "
+                f"numpy:f32, got {self.backend!r}"
+            )
+
+
+class Addresses(Section):
+    """Where each inbox listens; senders dial the same string. nng URLs: ipc://PATH or tcp://HOST:PORT."""
+
+    client: str = "ipc://{run_dir}/client.ipc"
+    control: str = "ipc://{run_dir}/control.ipc"
+    data: str = "ipc://{run_dir}/data.ipc"
+    verify: str = "ipc://{run_dir}/verify.ipc"
+    draft: str = "ipc://{run_dir}/draft.ipc"
+    audit: str = "ipc://{run_dir}/audit.ipc"
+
+
+# Optional bind addresses when they differ from what peers dial (tcp://0.0.0.0:PORT): one per
+# address above, "" meaning "listen where peers dial".
+Listen = msgspec.defstruct(
+    "Listen", [(name, str, "") for name in Addresses.__struct_fields__], bases=(Section,), module=__name__
+)
+
+
+class Timeouts(Section):
+    draft: float = 0.5  # a slower proposal is skipped: the step runs as plain decoding
+    verify: float = 10.0  # then the step is re-sent (idempotent by request and step)
+    prefill_per_token: float = 0.01  # added to `verify` for Open
+    send: float = 5.0
+    client_idle: float = 30.0  # a running request nobody polls for this long is cancelled
+    retain: float = 120.0  # a finished request's chunks stay available for resuming this long
+    poll_wait_max: float = 10.0
+
+
+class Restart(Section):
+    initial_backoff: float = 0.2
+    max_backoff: float = 10.0
+    reset_after: float = 30.0  # a lane up this long starts its back-off afresh
+    shutdown_grace: float = 3.0  # SIGTERM, then SIGKILL after this long
+    # A lane whose event loop has not beaten for this long (stopped, hung) is killed and restarted,
+    # and the orchestrator stops counting it as up (0: never).
+    hang_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.hang_seconds < 0:
+            raise ValueError(f"restart.hang_seconds must be >= 0, got {self.hang_seconds}")
+
+    def alive_path(self, run_dir: str, lane: str) -> Path:
+        """Touched by the lane on every heartbeat; its age is what the supervisor watches."""
+        return Path(run_dir) / f"{lane}.alive"
+
+
+class Audit(Section):
+    path: str = "{run_dir}/audit.sqlite"
+    resend_after: float = 1.0  # unacknowledged events are sent again after this long
+    snapshot_seconds: float = 60.0  # each lane's heartbeat totals are recorded this often (0: never)
+    max_age_days: float = 30.0  # whole requests whose last event is older are deleted (0: keep forever)
+    max_requests: int = 10000  # only the newest this many requests are kept (0: no limit)
+    prune_seconds: float = 300.0  # how often the audit lane applies the two limits above
+
+    def __post_init__(self) -> None:
+        if self.max_age_days < 0 or self.max_requests < 0 or self.prune_seconds <= 0:
+            raise ValueError("audit.max_age_days and max_requests must be >= 0, prune_seconds > 0")
+
+
+class Gateway(Section):
+    """The OpenAI-compatible HTTP API (lanes/gateway.py), a client of the orchestrator."""
+
+    enabled: bool = True  # false: not started even when run.components lists it
+    host: str = "127.0.0.1"  # loopback unless API keys are set (pipeline/api/keys.py)
+    port: int = 8000
+    model: str = ""  # the model id clients name; "" means the target GGUF's file name without .gguf
+    api_key_file: str = ""  # one API key per line; SPECLANES_API_KEY gives one more
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"gateway.port must be 1..65535, got {self.port}")
+
+
+class TelemetrySection(Section):
+    """Where the default OTLP/JSON file export goes. Which exporters run, and where an
+    OTLP collector is, follow the standard OTEL_* variables (see pipeline/observability/telemetry.py)."""
+
+    dir: str = "{run_dir}/telemetry"
+
+
+class Config(Section):
+    run: Run = msgspec.field(default_factory=Run)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    speculation: Speculation = msgspec.field(default_factory=Speculation)
+    addresses: Addresses = msgspec.field(default_factory=Addresses)
+    listen: Listen = msgspec.field(default_factory=Listen)
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    restart: Restart = msgspec.field(default_factory=Restart)
+    audit: Audit = msgspec.field(default_factory=Audit)
+    gateway: Gateway = msgspec.field(default_factory=Gateway)
+    telemetry: TelemetrySection = msgspec.field(default_factory=TelemetrySection)
+
+    def bind(self, name: str) -> str:
+        return getattr(self.listen, name) or getattr(self.addresses, name)
+
+    def run_id(self) -> str:
+        """What ties the processes of one pipeline together in telemetry: its run directory."""
+        return self.run.dir
+
+    def model_id(self) -> str:
+        """The served model's name (gen_ai.request.model, the HTTP API's model id)."""
+        if self.gateway.model:
+            return self.gateway.model
+        from pipeline.model.default import DEFAULT_MODEL_FILE  # light: no numpy, no model
+
+        return Path(self.model.path or DEFAULT_MODEL_FILE).name.removesuffix(".gguf")
+
+    def processes(self) -> list[str]:
+        """What this host's supervisor starts: run.components, less a disabled gateway."""
+        return [c for c in self.run.components if c != "gateway" or self.gateway.enabled]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _value(text: str) -> Any:
+    """A TOML value if it parses as one (3, 0.5, true, ["a"]), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set(data: dict[str, Any], dotted: str, text: str, origin: str) -> None:
+    section, _, key = dotted.partition(".")
+    fields = Config.__struct_fields__
+    if section not in fields or not key:
+        raise ConfigError(f"{origin}: unknown setting {dotted!r} (sections: {', '.join(fields)})")
+    # A string setting keeps the text as typed: a path like 2024-01-01 must not become a date.
+    types = {f.name: f.type for f in msgspec.structs.fields(type(getattr(Config(), section)))}
+    data.setdefault(section, {})[key] = text if types.get(key) is str else _value(text)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for section, section_type in Config.__annotations__.items():
+        for key in globals()[section_type].__struct_fields__:
+            env_name = f"SPECLANES_{section}_{key}".upper()
+            if env_name in environ:
+                _set(data, f"{section}.{key}", environ[env_name], env_name)
+    for item in overrides:
+        dotted, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set takes section.key=value, got {item!r}")
+        _set(data, dotted.strip(), text.strip(), "--set")
+    try:
+        config = msgspec.convert(data, Config)
+    except (msgspec.ValidationError, ValueError) as exc:
+        problem = f"speculation.{exc.__cause__}" if isinstance(exc.__cause__, SpeculationError) else exc
+        raise ConfigError(f"{path or 'configuration'}: {problem}") from None
+    return expand(config, environ)
+
+
+def expand(config: Config, environ: Mapping[str, str] | None = None) -> Config:
+    run_dir = config.run.dir or default_run_dir(environ)
+    raw = msgspec.to_builtins(config)
+    raw["run"]["dir"] = run_dir
+
+    def sub(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: sub(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [sub(v) for v in node]
+        return node.replace("{run_dir}", run_dir) if isinstance(node, str) else node
+
+    return msgspec.convert(sub(raw), Config)

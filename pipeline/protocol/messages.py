@@ -1,0 +1,370 @@
+"""Every message on every socket: msgspec Structs, msgpack-encoded, one tagged union per
+socket, each carrying the protocol version.
+
+Sockets and what they carry (the receiving side listens, senders dial):
+- verify lane inbox (data): Open, Verify, Close
+- draft lane inbox (data): DraftRequest, Close
+- audit lane inbox (data): RequestOpened, StepEvent, SpeculativeEvent, FaultEvent, LaneSnapshot
+- orchestrator data inbox: Opened, Verified, Drafted, StepFailed, AuditAck
+- orchestrator control inbox: Fault, LaneUp, LaneDown, Heartbeat, Shutdown
+- orchestrator client socket (req/rep): Submit, Poll, Cancel, StatusQuery -> Submitted, Chunks,
+  ErrorReply, StatusReport
+
+Work messages carry (request_id, step) so a repeat is recognised and answered from a cache
+rather than executed twice, and a W3C trace context so spans parent across processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+from pipeline.decoding.acceptance import Decision
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+
+PROTOCOL = 1
+
+FaultKind = Literal[
+    "draft_failed",
+    "verification_failed",
+    "max_iterations_exceeded",
+    "lane_down",
+    "timeout",
+    "bad_request",
+    "unknown_request",
+]
+
+
+class BadMessage(ValueError):
+    """Bytes that are not a message this socket takes (garbage, wrong type, other version)."""
+
+
+class Rows(msgspec.Struct, frozen=True, array_like=True):
+    """Probability rows as raw little-endian float32 bytes with their shape."""
+
+    shape: tuple[int, int]
+    data: bytes
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> Rows:
+        a = np.ascontiguousarray(array, dtype="<f4")
+        if a.ndim != 2:
+            raise ValueError(f"rows must be 2-D, got shape {a.shape}")
+        return cls((int(a.shape[0]), int(a.shape[1])), a.tobytes())
+
+    def array(self) -> np.ndarray:
+        n, width = self.shape
+        if n < 0 or width < 0 or len(self.data) != n * width * 4:
+            raise BadMessage(f"rows of shape {self.shape} need {n * width * 4} bytes, got {len(self.data)}")
+        return np.frombuffer(self.data, dtype="<f4").reshape(n, width)
+
+
+class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=True):
+    version: int = PROTOCOL
+
+
+class Work(Message, frozen=True, kw_only=True):
+    request_id: str
+    step: int
+    trace: dict[str, str] = {}
+
+
+# --- data lane: orchestrator -> verify lane -------------------------------------------
+
+
+class Open(Work, frozen=True, kw_only=True):
+    """Prefill `tokens` into a fresh KV cache. A new request samples its first token from
+    the last position; a re-prime after a verifier restart (`sample=False`) feeds the
+    accepted prefix and fast-forwards the random stream by `draws`."""
+
+    tokens: list[int]
+    params: SamplingParams
+    seed: int
+    draws: int = 0
+    sample: bool = True
+    capacity: int = 0
+
+
+class Verify(Work, frozen=True, kw_only=True):
+    """Forward [pending, *drafts] at `position` (= KV-cache length) and decide the drafts."""
+
+    position: int
+    pending: int
+    drafts: list[int] = []
+    draft_probs: Rows | None = None
+
+
+class Close(Message, frozen=True, kw_only=True):
+    """The request is over: free its state. To the draft lane, `context` (prompt and output)
+    lets the cross-request cache learn from it."""
+
+    request_id: str
+    context: list[int] = []
+
+
+# --- data lane: orchestrator -> draft lane --------------------------------------------
+
+
+class DraftRequest(Work, frozen=True, kw_only=True):
+    """Everything a draft lane needs to (re)build the request's drafter, so a restarted
+    lane serves the next step without a handshake."""
+
+    drafter: str
+    params: SamplingParams
+    seed: int
+    prompt_length: int
+    context: list[int]
+    k: int
+
+
+# --- data lane: lanes -> orchestrator -------------------------------------------------
+
+
+class Opened(Work, frozen=True, kw_only=True):
+    token: int | None
+    u: float | None
+    draws: int
+    seconds: float
+    backend: str = ""  # the runtime that computed it ("torch:int4", "numpy:f32"): see model.backends
+
+
+class Verified(Work, frozen=True, kw_only=True):
+    tokens: list[int]
+    accepted: int
+    decisions: list[Decision]
+    final_u: float | None
+    draws: int
+    batch_size: int
+    seconds: float
+    backend: str = ""
+
+
+class Drafted(Work, frozen=True, kw_only=True):
+    tokens: list[int]
+    probs: Rows | None
+    drafter: str
+    seconds: float
+
+
+class StepFailed(Work, frozen=True, kw_only=True):
+    origin: Literal["open", "verify", "draft"]
+    kind: FaultKind
+    message: str
+
+
+class AuditAck(Message, frozen=True, kw_only=True):
+    event_ids: list[str]
+
+
+# --- data lane: orchestrator -> audit lane (immutable events with ids) ----------------
+
+
+class AuditEvent(Message, frozen=True, kw_only=True):
+    event_id: str
+    request_id: str
+    time: float
+    trace: dict[str, str] = {}  # the request's trace context: the audit lane's spans join it
+
+
+class RequestOpened(AuditEvent, frozen=True, kw_only=True):
+    settings: dict[str, Any]
+    prompt_tokens: list[int]
+
+
+class StepEvent(AuditEvent, frozen=True, kw_only=True):
+    """One verify pass (step 0 is the prefill that sampled the first token)."""
+
+    step: int
+    drafter: str
+    k: int
+    drafted: list[int]
+    emitted: list[int]
+    decisions: list[Decision]
+    final_u: float | None
+    draws: int
+    batch_size: int
+    backend: str = ""  # the verify lane's runtime for this step: `audit verify` recomputes with it
+
+
+class SpeculativeEvent(AuditEvent, frozen=True, kw_only=True):
+    """Per-request summary."""
+
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    iterations: int
+    content_length: int
+    finish_reason: str
+    stats: dict[str, Any]
+    tokens: list[int] = []  # the output the client was served (emitted tokens cut at the stop)
+
+
+class FaultEvent(AuditEvent, frozen=True, kw_only=True):
+    fault: Fault
+
+
+class LaneSnapshot(AuditEvent, frozen=True, kw_only=True):
+    """A lane's running totals as its heartbeat reported them (request_id is "": not per request)."""
+
+    lane: str
+    pid: int | None
+    restarts: int
+    lane_state: str  # starting | up | down
+    totals: SpeculativeState
+
+
+# --- control lane ---------------------------------------------------------------------
+
+
+class SpeculativeState(msgspec.Struct, kw_only=True):
+    """Running totals a lane reports in its heartbeats."""
+
+    runs: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    active_requests: int = 0
+    batches: int = 0
+    batched_rows: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Fault(Message, frozen=True, kw_only=True):
+    kind: FaultKind
+    lane: str
+    message: str
+    request_id: str | None = None
+    step: int | None = None
+    time: float = 0.0
+
+
+class LaneUp(Message, frozen=True, kw_only=True):
+    lane: str
+    pid: int
+    restarts: int
+
+
+class LaneDown(Message, frozen=True, kw_only=True):
+    lane: str
+    pid: int
+    returncode: int | None
+    restarts: int
+
+
+class Heartbeat(Message, frozen=True, kw_only=True):
+    lane: str
+    pid: int
+    state: SpeculativeState
+    runtime: dict[str, Any] = {}  # a model lane's backend, kernel path and CPU flags
+
+
+class Shutdown(Message, frozen=True, kw_only=True):
+    reason: str = ""
+
+
+# --- clients <-> orchestrator ---------------------------------------------------------
+
+
+class Submit(Message, frozen=True, kw_only=True):
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    chat: bool = False
+    params: SamplingParams = SamplingParams()
+    drafter: str | None = None  # None: the configured default
+    k: int | None = None  # None: the configured policy
+    max_iterations: int | None = None
+    trace: dict[str, str] = {}  # the caller's W3C trace context: the request's trace joins it
+
+
+class Poll(Message, frozen=True, kw_only=True):
+    """Chunks with seq > after; waits up to `wait` seconds for one if none is ready."""
+
+    request_id: str
+    after: int = -1
+    wait: float = 1.0
+
+
+class Cancel(Message, frozen=True, kw_only=True):
+    request_id: str
+
+
+class StatusQuery(Message, frozen=True, kw_only=True):
+    pass
+
+
+class Submitted(Message, frozen=True, kw_only=True):
+    request_id: str
+    prompt_tokens: int
+
+
+class Chunk(msgspec.Struct, frozen=True, array_like=True):
+    seq: int
+    text: str
+    tokens: list[int]
+
+
+class Chunks(Message, frozen=True, kw_only=True):
+    request_id: str
+    chunks: list[Chunk]
+    done: Result | None = None  # the final result, as `generate --json` prints it
+
+
+class ErrorReply(Message, frozen=True, kw_only=True):
+    kind: str
+    message: str
+
+
+class LaneStatus(msgspec.Struct, kw_only=True):
+    name: str
+    state: str  # starting | up | down
+    pid: int | None
+    restarts: int
+    active_requests: int
+    totals: SpeculativeState
+    runtime: dict[str, Any] = {}
+
+
+class StatusReport(Message, frozen=True, kw_only=True):
+    lanes: list[LaneStatus]
+    active_requests: int
+    audit_pending: int
+    totals: SpeculativeState
+    faults: list[Fault]
+
+
+VerifyInbox = Open | Verify | Close
+DraftInbox = DraftRequest | Close
+AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
+DataInbox = Opened | Verified | Drafted | StepFailed | AuditAck
+ControlInbox = Fault | LaneUp | LaneDown | Heartbeat | Shutdown
+ClientRequest = Submit | Poll | Cancel | StatusQuery
+ClientReply = Submitted | Chunks | ErrorReply | StatusReport
+
+T = TypeVar("T")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class Codec(Generic[T]):
+    """Decodes one socket's union; anything else becomes a BadMessage saying why."""
+
+    def __init__(self, union: Any) -> None:
+        self.union = union
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def decode(self, data: bytes) -> T:
+        try:
+            message = self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            raise BadMessage(f"undecodable message ({len(data)} bytes): {exc}") from None
+        if message.version != PROTOCOL:
+            raise BadMessage(f"protocol version {message.version}; this build speaks {PROTOCOL}")
+        return message

@@ -1,0 +1,151 @@
+"""nng sockets under trio.
+
+Receives and sends use non-blocking calls and, when nng says "try again", wait on the
+socket's notification descriptor (`recv_fd`/`send_fd`, both polled for readability): half
+the round-trip of pynng's own async calls. That path ignores nng's timeouts, so callers
+bound waits with trio. Every inbox listens and every sender dials, so a restarted process
+comes back on the same address and its peers reconnect on their own.
+
+Pull/Push for everything that must arrive (Pub/Sub drops silently). Req/Rep only for
+clients, whose polls are idempotent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import msgspec
+import pynng
+import trio
+
+from pipeline.protocol.messages import BadMessage, Codec, encode
+
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 64 << 20
+OPTIONS = {"reconnect_time_min": 100, "reconnect_time_max": 1000, "recv_max_size": MAX_MESSAGE_BYTES}
+
+
+def _prepare(address: str) -> None:
+    if address.startswith("ipc://"):
+        Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+
+
+def listen(kind: type[pynng.Socket], address: str) -> pynng.Socket:
+    _prepare(address)
+    sock = kind(**OPTIONS)
+    try:
+        sock.listen(address)
+    except pynng.NNGException as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {address}: {exc}") from None
+    return sock
+
+
+def dial(kind: type[pynng.Socket], address: str) -> pynng.Socket:
+    sock = kind(**OPTIONS)
+    sock.dial(address, block=False)  # connects (and reconnects) in the background
+    return sock
+
+
+def _recv_now(sock: pynng.Socket) -> bytes:
+    try:
+        return sock.recv(block=False)
+    except RuntimeError:  # pynng cannot unpack a zero-length message (NULL data): it was empty
+        return b""
+
+
+async def receive(sock: pynng.Socket) -> bytes:
+    while True:
+        try:
+            return _recv_now(sock)
+        except pynng.TryAgain:
+            await trio.lowlevel.wait_readable(sock.recv_fd)
+
+
+async def send(sock: pynng.Socket, data: bytes) -> None:
+    while True:
+        try:
+            sock.send(data, block=False)
+            return
+        except pynng.TryAgain:
+            await trio.lowlevel.wait_readable(sock.send_fd)
+
+
+def receive_ready(sock: pynng.Socket) -> bytes | None:
+    """A message if one is already queued, without waiting."""
+    try:
+        return _recv_now(sock)
+    except pynng.TryAgain:
+        return None
+
+
+class Inbox(Generic[T]):
+    """A listening Pull socket that yields decoded messages, or BadMessage for garbage
+    (so the owner reports it and carries on: bad bytes never end a loop)."""
+
+    def __init__(self, address: str, union: object) -> None:
+        self.sock = listen(pynng.Pull0, address)
+        self.codec: Codec[T] = Codec(union)
+
+    def decode(self, data: bytes) -> T | BadMessage:
+        try:
+            return self.codec.decode(data)
+        except BadMessage as exc:
+            return exc
+
+    async def next(self) -> T | BadMessage:
+        return self.decode(await receive(self.sock))
+
+    def ready(self) -> list[T | BadMessage]:
+        """Everything already queued."""
+        out = []
+        while (data := receive_ready(self.sock)) is not None:
+            out.append(self.decode(data))
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[T | BadMessage]:
+        while True:
+            yield await self.next()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Outbox:
+    """A dialing Push socket. `put` waits (bounded) for a connected peer; a message that
+    cannot be handed over in time raises trio.TooSlowError for the caller to retry."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock = dial(pynng.Push0, address)
+        self._lock = trio.Lock()
+
+    async def put(self, message: msgspec.Struct, timeout: float = math.inf) -> None:
+        await self.put_bytes(encode(message), timeout)
+
+    async def put_bytes(self, data: bytes, timeout: float = math.inf) -> None:
+        with trio.fail_after(timeout):
+            async with self._lock:
+                await send(self.sock, data)
+
+    def connected(self) -> bool:
+        """Whether a peer is connected now, so that a message put now is handed over."""
+        return bool(self.sock.pipes)
+
+    def put_nowait(self, message: msgspec.Struct) -> bool:
+        """Hand over if a peer can take it now; False otherwise (the caller keeps it)."""
+        return self.put_bytes_nowait(encode(message))
+
+    def put_bytes_nowait(self, data: bytes) -> bool:
+        try:
+            self.sock.send(data, block=False)
+            return True
+        except pynng.TryAgain:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,166 @@
+"""The supervisor: starts the lanes and the orchestrator, restarts whatever dies.
+
+Each child gets a lifeline (a pipe on its stdin that only we hold) and its own session,
+so a terminal's Ctrl-C reaches only us and we shut the children down in order. A dead
+child is announced on the control lane (LaneDown, a lane_down fault) and restarted with
+exponential back-off; LaneUp follows. SIGINT/SIGTERM: SIGTERM every child, SIGKILL any
+still alive after the grace period. If we are killed outright the lifelines close and
+the children exit on their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import trio
+from opentelemetry.trace import Span
+
+from pipeline.model.default import default_model_path
+from pipeline.model.store import load_prepared
+from pipeline.observability.telemetry import Telemetry
+from pipeline.protocol.config import Config
+from pipeline.protocol.messages import Fault, LaneDown, LaneUp, Shutdown
+from pipeline.protocol.transport import Outbox
+from pipeline.service.run_dir import PRIVATE_UMASK, RunLock
+
+log = logging.getLogger(__name__)
+
+MODULES = {
+    "orchestrator": "lanes.orchestrator",
+    "verify": "lanes.verify",
+    "draft": "lanes.draft",
+    "audit": "lanes.audit",
+    "gateway": "lanes.gateway",
+}
+
+
+class Supervisor:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.run_dir = Path(config.run.dir)
+        self.children: dict[str, trio.Process] = {}
+        self.control = Outbox(config.addresses.control)
+        self.telemetry = Telemetry.configure("supervisor", config.telemetry.dir, config.run_id())
+        self.restarts = self.telemetry.meter.create_counter(
+            "speclanes.lane.restarts", "{restart}", "Processes the supervisor restarted after they died"
+        )
+
+    def announce(self, message: LaneUp | LaneDown | Fault | Shutdown) -> None:
+        if not self.control.put_nowait(message):
+            log.info("control lane not connected; %s not delivered", type(message).__name__)
+
+    async def keep_running(self, name: str, config_path: Path) -> None:
+        restart = self.config.restart
+        backoff, restarts = restart.initial_backoff, 0
+        restart_span: Span | None = None  # from a death until the replacement has started
+        log_file = (self.run_dir / f"{name}.log").open("ab")
+        command = [sys.executable, "-m", MODULES[name], str(config_path), "--lifeline"]
+        while True:
+            proc = await trio.lowlevel.open_process(
+                command, stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, start_new_session=True
+            )
+            self.children[name] = proc
+            started = time.monotonic()
+            log.info("%s started (pid %d, restarts %d)", name, proc.pid, restarts)
+            self.announce(LaneUp(lane=name, pid=proc.pid, restarts=restarts))
+            if restart_span is not None:
+                restart_span.set_attribute("speclanes.lane.new_pid", proc.pid)
+                restart_span.end()
+            async with trio.open_nursery() as watch:
+                watch.start_soon(self.watch_heartbeat, name, proc, time.time())
+                await proc.wait()
+                watch.cancel_scope.cancel()
+            restarts += 1
+            log.warning("%s (pid %d) exited with %s; restart %d", name, proc.pid, proc.returncode, restarts)
+            self.announce(LaneDown(lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts))
+            self.restarts.add(1, {"speclanes.lane": name})
+            restart_span = self.telemetry.start(
+                f"lane restart {name}",
+                attributes={
+                    "speclanes.lane": name, "speclanes.lane.pid": proc.pid,
+                    "speclanes.lane.returncode": proc.returncode or 0, "speclanes.lane.restarts": restarts,
+                    "speclanes.lane.backoff_seconds": backoff,
+                },
+            )  # fmt: skip
+            if time.monotonic() - started > restart.reset_after:
+                backoff = restart.initial_backoff
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, restart.max_backoff)
+
+    async def watch_heartbeat(self, name: str, proc: trio.Process, started: float) -> None:
+        """Kill a lane whose alive file has gone stale since it first beat (SIGSTOP, a hung event
+        loop): its restart then re-primes what it held. A lane still loading has not beaten yet."""
+        limit = self.config.restart.hang_seconds
+        if limit <= 0:
+            return
+        path = self.config.restart.alive_path(self.config.run.dir, name)
+        while True:
+            await trio.sleep(min(1.0, limit / 4))
+            try:
+                touched = path.stat().st_mtime
+            except OSError:
+                continue
+            silent = time.time() - touched
+            if touched >= started and silent > limit:
+                message = f"pid {proc.pid} has not beaten for {silent:.1f} s: killing it"
+                log.warning("%s %s", name, message)
+                self.announce(Fault(kind="timeout", lane=name, message=message, time=time.time()))
+                proc.kill()
+                return
+
+    async def stop_children(self) -> None:
+        alive = [p for p in self.children.values() if p.returncode is None]
+        for proc in alive:
+            proc.terminate()
+        with trio.move_on_after(self.config.restart.shutdown_grace):
+            for proc in alive:
+                await proc.wait()
+        for proc in alive:
+            if proc.returncode is None:
+                log.warning("pid %d ignored SIGTERM: killing it", proc.pid)
+                proc.kill()
+                await proc.wait()
+
+    async def run(self) -> None:
+        config_path = self.run_dir / "config.json"
+        config_path.write_bytes(msgspec.json.encode(self.config))
+        # Prepare the weights once here, not three times at once in the lanes.
+        models = [self.config.model.path or str(default_model_path())]
+        if self.config.model.draft_path:
+            models.append(self.config.model.draft_path)
+        for model in models:
+            await trio.to_thread.run_sync(load_prepared, Path(model))
+        try:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async with trio.open_nursery() as nursery:
+                    for name in self.config.processes():
+                        nursery.start_soon(self.keep_running, name, config_path)
+                    async for signum in signals:
+                        log.info("%s: shutting down", signal.Signals(signum).name)
+                        self.announce(Shutdown(reason=signal.Signals(signum).name))
+                        nursery.cancel_scope.cancel()
+                        break
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.stop_children()
+            self.telemetry.shutdown()
+
+
+def supervise(config: Config) -> None:
+    """Lock the run directory before anything else; every process started from here keeps its
+    files private (umask 077)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
+    os.umask(PRIVATE_UMASK)
+    lock = RunLock(Path(config.run.dir))
+    lock.acquire()
+    try:
+        trio.run(Supervisor(config).run)
+    finally:
+        lock.release()

@@ -1,0 +1,280 @@
+"""The verify lane: the target model, one KV cache per active request, the acceptance rule.
+
+Requests waiting at the same time are verified in one batched forward: the weights are
+read once for all their rows, attention stays per request. Each (request, step) is
+executed once; a repeat is answered from the reply cache.
+
+Prompts are prefilled in chunks of `run.prefill_chunk` rows that ride in the same forwards
+as the other requests' verify steps, so a long prompt delays each neighbour's step by one
+chunk at a time instead of by its whole prefill. The runtime's row invariance makes this
+free of consequences for the numbers: a position's logits are the same in a chunk, in a
+whole-prompt prefill or in a decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.decoding.target import TargetState
+from pipeline.model import Runtime, backend_key
+from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.protocol.messages import BadMessage, Close, Open, Opened, StepFailed, Verified, Verify
+from pipeline.workers.reporting import LaneReporter, step_failed
+
+log = logging.getLogger(__name__)
+
+IDLE_SECONDS = 600.0  # a request not heard of for this long is dropped (its Close was lost)
+
+
+@dataclass
+class Prefill:
+    """A prompt being fed chunk by chunk; its Opened reply goes out when the last chunk is in."""
+
+    msg: Open
+    target: TargetState
+    started_ns: int
+    fed: int = 0
+
+    def next_chunk(self, rows: int) -> list[int]:
+        return self.msg.tokens[self.fed : self.fed + rows]
+
+
+@dataclass
+class Request:
+    target: TargetState
+    step: int  # the last step executed
+    reply: Opened | Verified | None = None
+    probs: np.ndarray | None = None  # the admitted step's draft rows, decoded and checked
+    seen: float = field(default_factory=time.monotonic)
+
+
+class Verifier:
+    def __init__(self, model: Runtime, lane: LaneReporter, prefill_chunk: int = 128) -> None:
+        self.model, self.lane = model, lane
+        self.backend = backend_key(model)
+        self.prefill_chunk = prefill_chunk or model.cfg.context_length  # 0: a whole prompt per forward
+        self.requests: dict[str, Request] = {}
+        self.prefilling: dict[str, Prefill] = {}  # oldest first: chunks are fed in arrival order
+
+    def check_tokens(self, tokens: list[int]) -> str | None:
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            return f"token id out of range [0, {vocab})"
+        return None
+
+    def open(self, msg: Open) -> Opened | StepFailed | None:
+        """Validate an Open and queue its prefill; None while it is being fed."""
+        known = self.requests.get(msg.request_id)
+        if known and isinstance(known.reply, Opened) and known.step == msg.step:
+            return known.reply
+        queued = self.prefilling.get(msg.request_id)
+        if queued is not None and queued.msg == msg:
+            return None  # a repeat of an Open still being fed: its reply is on the way
+        context = self.model.cfg.context_length
+        if not msg.tokens or len(msg.tokens) >= context:
+            return step_failed(
+                self.lane, msg, "bad_request", f"{len(msg.tokens)} prompt tokens for a context of {context}"
+            )
+        if (problem := self.check_tokens(msg.tokens)) is not None:
+            return step_failed(self.lane, msg, "bad_request", problem)
+        self.requests.pop(msg.request_id, None)
+        capacity = max(min(msg.capacity, context), len(msg.tokens) + 1)
+        target = TargetState(self.model, msg.params, msg.seed, draws=msg.draws, capacity=capacity)
+        self.prefilling[msg.request_id] = Prefill(msg, target, time.time_ns())
+        return None
+
+    def prefill_chunks(self) -> list[tuple[Prefill, list[int]]]:
+        """This forward's share of the waiting prompts: at most `prefill_chunk` rows, oldest first."""
+        budget, chunks = self.prefill_chunk, []
+        for job in self.prefilling.values():
+            if budget <= 0:
+                break
+            chunk = job.next_chunk(budget)
+            chunks.append((job, chunk))
+            budget -= len(chunk)
+        return chunks
+
+    def finish_prefill(self, job: Prefill, last_logits: np.ndarray) -> Opened:
+        """The prompt is in: sample the first token (a re-prime, sample=False, samples none)."""
+        msg, target = job.msg, job.target
+        del self.prefilling[msg.request_id]
+        token, u = target.first_token(last_logits) if msg.sample else (None, None)
+        reply = Opened(
+            request_id=msg.request_id, step=msg.step, trace=msg.trace, token=token, u=u,
+            draws=target.draws, seconds=(time.time_ns() - job.started_ns) / 1e9, backend=self.backend,
+        )  # fmt: skip
+        self.requests[msg.request_id] = Request(target, msg.step, reply)
+        self.lane.state.runs += msg.sample
+        attributes = {
+            "speclanes.request_id": msg.request_id, "speclanes.step": msg.step,
+            "speclanes.tokens": len(msg.tokens), "speclanes.draws": msg.draws,
+            "speclanes.prefill_chunk": self.prefill_chunk,
+        }  # fmt: skip
+        # A re-prime (sample=False) rebuilds a restarted lane's cache from the accepted prefix.
+        name = "prefill" if msg.sample else "reprime"
+        self.lane.telemetry.start(name, msg.trace, attributes, start_time=job.started_ns).end()
+        return reply
+
+    def admit(self, msg: Verify) -> Request | Verified | StepFailed:
+        """The request to run this step for, a cached reply for a repeat, or why not."""
+        request = self.requests.get(msg.request_id)
+        if request is None:
+            return step_failed(
+                self.lane, msg, "unknown_request", "no state for this request here (re-prime it)"
+            )
+        request.seen = time.monotonic()
+        if msg.step == request.step and isinstance(request.reply, Verified):
+            return request.reply
+        if msg.step != request.step + 1 or msg.position != request.target.cache.length:
+            return step_failed(
+                self.lane, msg, "unknown_request",
+                f"step {msg.step} at position {msg.position}, but this lane is at step {request.step}, "
+                f"position {request.target.cache.length}",
+            )  # fmt: skip
+        if (problem := self.check_tokens([msg.pending, *msg.drafts])) is not None:
+            return step_failed(self.lane, msg, "bad_request", problem)
+        if msg.position + 1 + len(msg.drafts) > self.model.cfg.context_length:
+            return step_failed(
+                self.lane,
+                msg,
+                "bad_request",
+                f"{len(msg.drafts)} drafts at {msg.position} overrun the context",
+            )
+        if msg.draft_probs is not None:
+            shape = msg.draft_probs.shape
+            if shape != (len(msg.drafts), self.model.cfg.vocab_size):
+                return step_failed(
+                    self.lane, msg, "bad_request", f"draft rows of shape {shape} for {len(msg.drafts)} drafts"
+                )
+            try:
+                request.probs = msg.draft_probs.array()
+            except BadMessage as exc:
+                return step_failed(self.lane, msg, "bad_request", str(exc))
+        else:
+            request.probs = None
+        return request
+
+    def step(self, batch: list[tuple[Verify, Request]]) -> list[Opened | Verified | StepFailed]:
+        """One forward: every admitted verify step plus this forward's prefill chunks."""
+        chunks = self.prefill_chunks()
+        if not batch and not chunks:
+            return []
+        start, start_ns = time.perf_counter(), time.time_ns()
+        work = [(request.target.cache, [msg.pending, *msg.drafts]) for msg, request in batch]
+        work += [(job.target.cache, chunk) for job, chunk in chunks]
+        try:
+            all_logits = self.model.forward_batch(work)
+        except Exception as exc:
+            for msg, _ in batch:  # their caches may be half-written: a re-prime rebuilds them
+                self.requests.pop(msg.request_id, None)
+            for job, _ in chunks:
+                self.prefilling.pop(job.msg.request_id, None)
+            failed = [msg for msg, _ in batch] + [job.msg for job, _ in chunks]
+            return [
+                step_failed(self.lane, msg, "verification_failed", f"forward failed: {exc!r}")
+                for msg in failed
+            ]
+        replies: list[Opened | Verified | StepFailed] = []
+        for (job, chunk), logits in zip(chunks, all_logits[len(batch) :], strict=True):
+            job.fed += len(chunk)
+            if job.fed == len(job.msg.tokens):
+                replies.append(self.finish_prefill(job, logits[-1]))
+        if batch:
+            replies.extend(self.conclude(batch, all_logits[: len(batch)], start, start_ns))
+        return replies
+
+    def conclude(
+        self, batch: list[tuple[Verify, Request]], all_logits: list[np.ndarray], start: float, start_ns: int
+    ) -> list[Verified]:
+        replies: list[Verified] = []
+        rows = sum(1 + len(msg.drafts) for msg, _ in batch)
+        for (msg, request), logits in zip(batch, all_logits, strict=True):
+            verdict = request.target.conclude(logits, msg.drafts, request.probs)
+            request.step = msg.step
+            request.reply = Verified(
+                request_id=msg.request_id, step=msg.step, trace=msg.trace,
+                tokens=verdict.tokens, accepted=verdict.accepted, decisions=verdict.decisions,
+                final_u=verdict.final_u, draws=request.target.draws, batch_size=len(batch),
+                seconds=time.perf_counter() - start, backend=self.backend,
+            )  # fmt: skip
+            replies.append(request.reply)
+            self.trace_step(msg, request.reply, start_ns, rows)
+            state = self.lane.state
+            state.drafted += len(msg.drafts)
+            state.accepted += verdict.accepted
+        self.lane.state.batches += 1
+        self.lane.state.batched_rows += rows
+        return replies
+
+    def trace_step(self, msg: Verify, reply: Verified, start_ns: int, rows: int) -> None:
+        """One span per request even when its step shared a batched forward with others."""
+        k, accepted = len(msg.drafts), reply.accepted
+        span = self.lane.telemetry.start(
+            "verify",
+            msg.trace,
+            {
+                "speclanes.request_id": msg.request_id, "speclanes.step": msg.step, "speclanes.k": k,
+                "speclanes.accepted": accepted, "speclanes.acceptance": accepted / k if k else 0.0,
+                "speclanes.batch_size": reply.batch_size, "speclanes.batch_rows": rows,
+                "speclanes.emitted": len(reply.tokens),
+            },
+            start_time=start_ns,
+        )  # fmt: skip
+        span.end()
+
+    def handle(
+        self, messages: list[Open | Verify | Close | BadMessage]
+    ) -> list[Opened | Verified | StepFailed]:
+        replies: list[Opened | Verified | StepFailed] = []
+        batch: dict[str, tuple[Verify, Request]] = {}
+        later: list[Open | Verify | Close | BadMessage] = []
+        for msg in messages:
+            if isinstance(msg, BadMessage):
+                self.lane.fault("bad_request", str(msg))
+            elif isinstance(msg, Close):
+                self.requests.pop(msg.request_id, None)
+                self.prefilling.pop(msg.request_id, None)
+            elif isinstance(msg, Open):
+                if (reply := self.open(msg)) is not None:
+                    replies.append(reply)
+            elif msg.request_id in batch:
+                later.append(msg)  # a second step of one request waits for this batch
+            else:
+                admitted = self.admit(msg)
+                if isinstance(admitted, Request):
+                    batch[msg.request_id] = (msg, admitted)
+                else:
+                    replies.append(admitted)
+        replies.extend(self.step(list(batch.values())))
+        if later:
+            replies.extend(self.handle(later))
+        self.lane.state.active_requests = len(self.requests)
+        return replies
+
+    def expire(self) -> None:
+        cutoff = time.monotonic() - IDLE_SECONDS
+        for request_id in [r for r, req in self.requests.items() if req.seen < cutoff]:
+            del self.requests[request_id]
+
+    def busy(self) -> bool:
+        """Prompts are still being fed: the lane must run another forward without waiting for mail."""
+        return bool(self.prefilling)
+
+    def waiting_for_more(self, messages: list[object]) -> bool:
+        """Other active requests may be about to send a step: worth a short wait to batch them."""
+        steps = {m.request_id for m in messages if isinstance(m, Verify)}
+        return (
+            bool(steps) and len(steps) < len(self.requests) and not any(isinstance(m, Open) for m in messages)
+        )
+
+
+def runtime_report(model: Runtime) -> dict[str, object]:
+    """What `status --json` shows for this lane: which numbers it computes, and on what CPU."""
+    return {
+        "backend": backend_key(model), "kernel_path": model.describe(), "cpu": cpu_name(),
+        "cpu_flags": kernel_flags(),
+    }  # fmt: skip

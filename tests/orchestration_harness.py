@@ -1,0 +1,166 @@
+"""The whole pipeline in one process with no sockets: the orchestrator's `Hub` wired to a real
+`Verifier` and `DraftServer` on a tiny model, with a test-controlled clock, lost messages and
+lane restarts. Every message still goes through its msgspec encoding, as on a socket."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pipeline.decoding.drafters.registry import make_draft_sources
+from pipeline.decoding.result import Result
+from pipeline.model import Model
+from pipeline.observability.metrics import PipelineMetrics
+from pipeline.orchestration.effects import Send
+from pipeline.orchestration.hub import Hub
+from pipeline.orchestration.lane_table import LaneTable
+from pipeline.orchestration.tracing import RequestTracing
+from pipeline.protocol.config import Config
+from pipeline.protocol.messages import (
+    AuditAck,
+    AuditEvent,
+    AuditInbox,
+    Codec,
+    DataInbox,
+    DraftInbox,
+    Heartbeat,
+    LaneDown,
+    SpeculativeState,
+    Submit,
+    Submitted,
+    VerifyInbox,
+    encode,
+)
+from pipeline.workers.draft_server import DraftServer
+from pipeline.workers.verifier import Verifier
+
+from .telemetry_harness import MemoryTelemetry
+
+
+class FakeLane:
+    """What the lane cores use of a LaneContext: fault reports and the running totals."""
+
+    def __init__(self) -> None:
+        self.state = SpeculativeState()
+        self.faults: list[tuple[str, str, str | None, int | None]] = []
+        self.telemetry = MemoryTelemetry()
+
+    def fault(
+        self,
+        kind: str,
+        message: str,
+        request_id: str | None = None,
+        step: int | None = None,
+        trace: dict[str, str] | None = None,
+    ) -> None:
+        self.faults.append((kind, message, request_id, step))
+
+
+CODECS = {"verify": Codec(VerifyInbox), "draft": Codec(DraftInbox), "audit": Codec(AuditInbox)}
+REPLIES: Codec = Codec(DataInbox)
+
+
+@dataclass
+class World:
+    model: Model
+    config: Config = field(default_factory=Config)
+    now: float = 100.0
+    in_flight: deque[Send] = field(default_factory=deque)
+    lost: set[str] = field(default_factory=set)  # lanes whose inbound messages vanish
+    beating: set[str] = field(default_factory=set)  # lanes up and not frozen: they beat as time passes
+    audited: dict[str, AuditEvent] = field(default_factory=dict)
+    sent: list[Send] = field(default_factory=list)
+    pids: dict[str, int] = field(
+        default_factory=lambda: {"verify": 10, "draft": 20, "audit": 30, "orchestrator": 40}
+    )
+
+    def __post_init__(self) -> None:
+        self.telemetry = MemoryTelemetry()
+        tracing = RequestTracing(self.telemetry, PipelineMetrics(self.telemetry.meter, "tiny"), "tiny")
+        assert self.model.tokenizer is not None
+        self.hub = Hub(self.config, self.model.tokenizer, self.model.cfg.context_length, tracing, LaneTable())
+        self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
+        self.drafts = DraftServer(make_draft_sources(self.model), self.model.cfg.vocab_size, FakeLane())
+
+    # --- the control lane ----------------------------------------------------------------
+
+    def up(self, *lanes: str) -> None:
+        for lane in lanes or ("verify", "draft", "audit", "orchestrator"):
+            self.beating.add(lane)
+            beat = Heartbeat(lane=lane, pid=self.pids[lane], state=SpeculativeState())
+            self.feed(self.hub.on_control(beat, self.now))
+
+    def down(self, lane: str) -> None:
+        """The lane's process dies: its state is gone, and the supervisor says so."""
+        pid = self.pids[lane]
+        self.pids[lane] += 1
+        self.beating.discard(lane)
+        if lane == "verify":
+            self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
+        if lane == "draft":
+            self.drafts = DraftServer(make_draft_sources(self.model), self.model.cfg.vocab_size, FakeLane())
+        self.feed(self.hub.on_control(LaneDown(lane=lane, pid=pid, returncode=-9, restarts=1), self.now))
+
+    # --- moving messages --------------------------------------------------------------------
+
+    def feed(self, sends: list[Send]) -> None:
+        self.in_flight.extend(sends)
+
+    def reply(self, message: msgspec.Struct) -> None:
+        self.feed(self.hub.on_data(REPLIES.decode(encode(message)), self.now))
+
+    def deliver_one(self) -> Send:
+        send = self.in_flight.popleft()
+        self.sent.append(send)
+        self.now += 0.001
+        if send.lane in self.lost:
+            return send
+        data = send.message if isinstance(send.message, bytes) else encode(send.message)
+        msg = CODECS[send.lane].decode(data)
+        if send.lane == "verify":
+            replies = self.verifier.handle([msg])
+            while self.verifier.busy():
+                replies += self.verifier.handle([])
+            for reply in replies:
+                self.reply(reply)
+        elif send.lane == "draft":
+            if type(msg).__name__ == "Close":
+                self.drafts.close(msg)
+            else:
+                self.reply(self.drafts.draft(msg))
+        else:
+            self.audited[msg.event_id] = msg
+            self.reply(AuditAck(event_ids=[msg.event_id]))
+        return send
+
+    def run(self, until: int | None = None) -> None:
+        """Deliver messages (at most `until`) until none is in flight."""
+        count = 0
+        while self.in_flight and (until is None or count < until):
+            self.deliver_one()
+            count += 1
+
+    def tick(self, seconds: float) -> None:
+        """Time passes; every lane that is running and not frozen beats on the way."""
+        self.now += seconds
+        for lane in self.beating:
+            beat = Heartbeat(lane=lane, pid=self.pids[lane], state=SpeculativeState())
+            self.feed(self.hub.on_control(beat, self.now))
+        self.feed(self.hub.tick(self.now))
+
+    # --- clients ----------------------------------------------------------------------------
+
+    def submit(self, prompt: str = "ab ab ab ab", **fields: object) -> str:
+        reply, sends = self.hub.submit(Submit(prompt=prompt, **fields), self.now)  # type: ignore[arg-type]
+        assert isinstance(reply, Submitted), reply
+        self.feed(sends)
+        return reply.request_id
+
+    def result(self, request_id: str) -> Result | None:
+        machine = self.hub.front.machine(request_id)
+        return None if machine is None else machine.result
+
+    def faults(self, kind: str | None = None) -> list[str]:
+        return [f.lane for f in self.hub.faults if kind is None or f.kind == kind]

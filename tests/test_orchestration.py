@@ -1,0 +1,362 @@
+"""The orchestrator's core, whole requests at a time, with no processes and no sockets
+(tests/orchestration_harness.py): steps, faults, lane restarts, resume, cancel, the audit
+outbox and admission. Outputs are compared with the in-process decoder, token for token."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.drafters.ngram import NgramSource
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
+from pipeline.model import Model
+from pipeline.model.prompts import prompt_tokens
+from pipeline.protocol.config import Config
+from pipeline.protocol.messages import (
+    Chunks,
+    Close,
+    Drafted,
+    DraftRequest,
+    ErrorReply,
+    Open,
+    RequestOpened,
+    Rows,
+    Shutdown,
+    SpeculativeEvent,
+    StepEvent,
+    StepFailed,
+    Submit,
+    Verify,
+)
+
+from .orchestration_harness import World
+from .tinymodel import TinySpec, write_tiny_gguf
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, seed=77, max_tokens=24, ignore_eos=True)
+PROMPT = "ab ab ab ab cd cd"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    path = tmp_path_factory.mktemp("orchestration") / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(seed=21, scale=1.2))
+    return Model.load(path)
+
+
+@pytest.fixture
+def world(model) -> World:
+    w = World(model)
+    w.up()
+    return w
+
+
+def reference(model: Model, params: SamplingParams, drafter: str = "none", k: int | None = 4) -> Result:
+    assert model.tokenizer is not None
+    source = NgramSource() if drafter == "ngram" else NoDraftSource()
+    tokens = prompt_tokens(model.tokenizer, PROMPT, chat=False, messages=None)
+    return decode(model, tokens, params, source, k=0 if drafter == "none" else k)
+
+
+def finished(world: World, request_id: str) -> Result:
+    world.run()
+    result = world.result(request_id)
+    assert result is not None, "the request did not finish"
+    return result
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_a_request_gives_the_in_process_tokens(world, model, params, drafter):
+    request_id = world.submit(PROMPT, params=params, drafter=drafter, k=4)
+    result = finished(world, request_id)
+    want = reference(model, params, drafter)
+    assert result.tokens == want.tokens and result.text == want.text
+    assert result.finish_reason == "length" and result.request_id == request_id
+    assert result.stats.steps == want.stats.steps and result.stats.accepted == want.stats.accepted
+    chunks = world.hub.front.chunks(request_id, -1)
+    assert isinstance(chunks, Chunks) and [t for c in chunks.chunks for t in c.tokens] == want.tokens
+    assert [c.seq for c in chunks.chunks] == list(range(len(chunks.chunks)))
+    if drafter == "ngram":
+        assert result.stats.drafted > 0
+
+
+def test_every_step_and_the_summary_reach_the_audit_trail_once(world):
+    request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    result = finished(world, request_id)
+    events = [e for e in world.audited.values() if e.request_id == request_id]
+    steps = sorted(e.step for e in events if isinstance(e, StepEvent))
+    assert steps == list(range(result.stats.steps + 1))  # the prefill is step 0
+    assert sum(isinstance(e, RequestOpened) for e in events) == 1
+    (summary,) = [e for e in events if isinstance(e, SpeculativeEvent)]
+    assert summary.tokens == result.tokens and summary.iterations == result.stats.steps
+    assert len(world.hub.outbox) == 0  # every event acknowledged
+
+
+def test_a_draft_lane_that_dies_turns_steps_into_plain_decoding(world, model):
+    request_id = world.submit(PROMPT, params=SEEDED, drafter="ngram", k=4)
+    world.run(until=6)
+    world.down("draft")
+    result = finished(world, request_id)
+    assert result.tokens == reference(model, SEEDED, "none").tokens  # seeded: the same stream either way
+    assert "draft" in world.faults("lane_down")
+    assert not any(isinstance(s.message, DraftRequest) for s in world.sent[len(world.sent) - 10 :])
+
+
+def test_a_draft_that_times_out_is_skipped_until_the_lane_beats_again(world, model):
+    world.lost.add("draft")
+    request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    world.run()
+    assert world.result(request_id) is None  # waiting for a draft that will never come
+    world.tick(world.config.timeouts.draft + 0.01)
+    result = finished(world, request_id)
+    assert result.tokens == reference(model, GREEDY).tokens
+    assert world.faults("timeout") == ["draft"]
+    drafts = [s for s in world.sent if isinstance(s.message, DraftRequest)]
+    assert len(drafts) == 1  # slow: no more drafting until a newer heartbeat
+    world.lost.clear()
+    world.up("draft")
+    second = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    assert finished(world, second).stats.drafted > 0
+
+
+def test_draft_rows_that_do_not_fit_their_shape_cost_that_step_its_drafts_only(world, model):
+    world.lost.add("draft")
+    request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    world.run()  # until the first draft request, which is lost
+    world.lost.clear()
+    machine = world.hub.front.machine(request_id)
+    pending = machine.pending
+    assert isinstance(pending, DraftRequest), pending
+    torn = Rows((2, model.cfg.vocab_size), b"\x00" * 12)
+    drafted = Drafted(
+        request_id=request_id, step=pending.step, tokens=[5, 6], probs=torn, drafter="ng", seconds=0
+    )
+    world.reply(drafted)
+    assert isinstance(machine.pending, Verify) and machine.pending.drafts == []
+    assert finished(world, request_id).tokens == reference(model, GREEDY).tokens
+    assert world.faults("bad_request") == ["draft"]
+
+
+def test_a_verify_lane_restart_reprimes_and_the_output_is_undisturbed(world, model):
+    request_id = world.submit(PROMPT, params=SEEDED, drafter="ngram", k=4)
+    world.run(until=12)
+    world.down("verify")  # the new verifier knows nothing of the request
+    world.run()
+    assert world.result(request_id) is None  # waits for the lane
+    world.up("verify")
+    result = finished(world, request_id)
+    assert result.tokens == reference(model, SEEDED, "ngram").tokens
+    reprimes = [s.message for s in world.sent if isinstance(s.message, Open) and not s.message.sample]
+    assert len(reprimes) == 1 and reprimes[0].draws > 0
+    assert "verify" in world.faults("lane_down")
+
+
+def test_a_lost_verify_step_is_sent_again_after_the_timeout(world, model):
+    request_id = world.submit(PROMPT, params=GREEDY)
+    world.run(until=8)
+    world.lost.add("verify")
+    world.run()
+    world.lost.clear()
+    world.tick(world.config.timeouts.verify + 0.01)
+    result = finished(world, request_id)
+    assert result.tokens == reference(model, GREEDY).tokens
+    assert world.faults("timeout") == ["verify"]
+
+
+def test_late_and_repeated_replies_change_nothing(world, model):
+    request_id = world.submit(PROMPT, params=GREEDY)
+    replies = []
+    original = world.reply
+
+    def record_and_repeat(message):
+        replies.append(message)
+        original(message)
+        original(message)  # every reply arrives twice
+
+    world.reply = record_and_repeat  # type: ignore[method-assign]
+    result = finished(world, request_id)
+    for reply in replies:  # and once more, after the end
+        original(reply)
+    world.run()
+    assert result.tokens == reference(model, GREEDY).tokens
+    assert world.result(request_id) == result
+
+
+def test_a_verify_failure_ends_the_request_with_an_error_result(world):
+    request_id = world.submit(PROMPT, params=GREEDY)
+    world.run(until=8)
+    world.lost.add("verify")
+    world.run()
+    pending = world.hub.front.machine(request_id).pending
+    assert isinstance(pending, Verify)
+    world.reply(
+        StepFailed(
+            request_id=request_id, step=pending.step, origin="verify", kind="bad_request", message="bad"
+        )
+    )
+    result = world.result(request_id)
+    assert result is not None and result.finish_reason == "error"
+    assert result.error is not None and (result.error.kind, result.error.message) == ("bad_request", "bad")
+    closes = [s.lane for s in world.in_flight if isinstance(s.message, Close)]
+    assert sorted(closes) == ["draft", "verify"]
+
+
+def test_cancel_ends_the_request_frees_the_lanes_and_keeps_its_chunks(world):
+    request_id = world.submit(PROMPT, params=SamplingParams(max_tokens=500, ignore_eos=True))
+    world.run(until=10)
+    reply, sends = world.hub.cancel(request_id, world.now)
+    world.feed(sends)
+    world.run()
+    result = world.result(request_id)
+    assert isinstance(reply, Chunks) and reply.done == result
+    assert result is not None and result.finish_reason == "cancelled" and 0 < len(result.tokens) < 500
+    assert request_id not in world.verifier.requests and request_id not in world.drafts.active
+    assert world.hub.cancel(request_id, world.now)[1] == []  # cancelling again does nothing
+
+
+def test_a_client_resumes_after_any_chunk_until_the_retention_time(world):
+    request_id = world.submit(PROMPT, params=GREEDY)
+    result = finished(world, request_id)
+    front = world.hub.front
+    whole = front.chunks(request_id, -1)
+    assert isinstance(whole, Chunks) and whole.done == result
+    for after in range(len(whole.chunks)):
+        rest = front.chunks(request_id, after)
+        assert isinstance(rest, Chunks) and rest.chunks == whole.chunks[after + 1 :] and rest.done == result
+    world.tick(world.config.timeouts.retain + 1)
+    assert isinstance(front.chunks(request_id, -1), ErrorReply)
+
+
+def test_a_request_nobody_polls_is_cancelled(world):
+    request_id = world.submit(PROMPT, params=SamplingParams(max_tokens=500, ignore_eos=True))
+    world.run(until=6)
+    world.hub.front.poll_begins(request_id)  # a long poll in progress keeps it alive
+    world.tick(world.config.timeouts.client_idle + 1)
+    assert world.result(request_id) is None
+    world.hub.front.poll_ends(request_id, world.now)
+    world.tick(world.config.timeouts.client_idle + 1)
+    result = world.result(request_id)
+    assert result is not None and result.finish_reason == "cancelled"
+
+
+def test_a_request_waits_for_a_verify_lane_that_is_not_up_yet(model):
+    world = World(model)
+    world.up("draft", "audit", "orchestrator")
+    request_id = world.submit(PROMPT, params=GREEDY)
+    assert not world.in_flight or all(s.lane == "audit" for s in world.in_flight)
+    world.run()
+    world.up("verify")
+    assert finished(world, request_id).tokens == reference(model, GREEDY).tokens
+    assert len(world.telemetry.spans("queue")) == 1
+
+
+def test_audit_events_wait_for_the_audit_lane_and_unacknowledged_ones_are_sent_again(model):
+    world = World(model, msgspec.convert({"audit": {"snapshot_seconds": 0}}, Config))  # no lane snapshots
+    world.up("verify", "draft", "orchestrator")
+    request_id = world.submit(PROMPT, params=GREEDY)
+    finished(world, request_id)
+    held = len(world.hub.outbox)
+    assert held > 0 and not world.audited
+    world.lost.add("audit")
+    world.up("audit")
+    world.run()
+    assert len(world.hub.outbox) == held  # sent, lost, not acknowledged
+    world.lost.clear()
+    world.tick(world.config.audit.resend_after + 0.01)
+    world.run()
+    assert len(world.hub.outbox) == 0 and len(world.audited) == held
+    world.down("audit")  # a restarted audit lane gets nothing twice: all was acknowledged
+    world.up("audit")
+    world.run()
+    assert len(world.audited) == held + 1  # only the audit lane's own lane_down fault
+
+
+def test_max_iterations_ends_the_request_with_that_fault(world):
+    request_id = world.submit(PROMPT, params=GREEDY, max_iterations=3)
+    result = finished(world, request_id)
+    assert result.finish_reason == "max_iterations_exceeded" and result.stats.steps == 3
+    assert world.faults("max_iterations_exceeded") == ["orchestrator"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "words"),
+    [
+        ({"drafter": "oracle"}, "bad_request", "drafter 'oracle'"),
+        ({"k": 33}, "bad_request", "k must be 0..32"),
+        ({"max_iterations": 0}, "bad_request", "max_iterations must be >= 1"),
+        ({"drafter": "model"}, "bad_request", "model.draft_path"),
+        ({"prompt": ""}, "bad_request", "empty"),
+        ({"prompt": "ab " * 400}, "prompt_too_long", "context"),
+        ({"messages": [{"role": "user"}]}, "bad_request", "cannot build the prompt"),
+    ],
+)
+def test_admission_refuses_with_the_rule_that_failed(world, fields, kind, words):
+    submit = msgspec.structs.replace(Submit(prompt=PROMPT), **fields)
+    reply, sends = world.hub.submit(submit, world.now)
+    assert isinstance(reply, ErrorReply) and reply.kind == kind and words in reply.message, reply
+    assert sends == [] and not world.hub.front.requests
+
+
+def test_after_a_shutdown_notice_nothing_new_is_admitted(world):
+    running = world.submit(PROMPT, params=GREEDY)
+    world.feed(world.hub.on_control(Shutdown(reason="SIGTERM"), world.now))
+    reply, _ = world.hub.submit(Submit(prompt=PROMPT), world.now)
+    assert isinstance(reply, ErrorReply) and reply.kind == "unavailable" and "SIGTERM" in reply.message
+    assert finished(world, running).finish_reason == "length"  # what was admitted still finishes
+
+
+def test_status_reports_lanes_requests_and_faults(world):
+    world.submit(PROMPT, params=SamplingParams(max_tokens=500, ignore_eos=True))
+    world.run(until=5)
+    world.down("draft")
+    report = world.hub.status()
+    states = {lane.name: lane.state for lane in report.lanes}
+    assert states == {"verify": "up", "draft": "down", "audit": "up", "orchestrator": "up"}
+    assert report.active_requests == 1 and [f.kind for f in report.faults] == ["lane_down"]
+
+
+def test_the_config_default_speculation_applies_when_a_request_names_none(model):
+    world = World(model, msgspec.convert({"speculation": {"drafter": "none"}}, Config))
+    world.up()
+    request_id = world.submit(PROMPT, params=GREEDY)
+    result = finished(world, request_id)
+    assert result.stats.drafter == "none" and result.stats.drafted == 0
+
+
+def test_a_huge_max_tokens_reserves_only_a_bounded_cache_up_front(world):
+    request_id = world.submit(PROMPT, params=SamplingParams(max_tokens=10**9, ignore_eos=True))
+    machine = world.hub.front.machine(request_id)
+    opening = next(s.message for s in world.in_flight if isinstance(s.message, Open))
+    assert opening.capacity <= len(machine.session.prompt_tokens) + 256 + 17
+    world.run(until=40)
+    world.feed(world.hub.cancel(request_id, world.now)[1])
+    world.run()
+    assert world.result(request_id).finish_reason == "cancelled"
+
+
+def test_a_lane_that_stops_beating_is_not_counted_as_up_until_it_beats_again(world, model):
+    request_id = world.submit(PROMPT, params=SamplingParams(max_tokens=500, ignore_eos=True))
+    world.run(until=10)
+    world.beating.discard("verify")  # SIGSTOPped: it neither beats nor answers
+    world.lost.add("verify")
+    world.run()
+    world.tick(world.config.restart.hang_seconds + 0.1)
+    states = {lane.name: lane.state for lane in world.hub.status().lanes}
+    assert states["verify"] == "stalled" and states["draft"] == "up"
+    assert world.faults("timeout") == ["verify"]
+    world.down("verify")  # the supervisor kills it; a new one comes up and is re-primed
+    world.lost.clear()
+    world.up("verify")
+    world.run(until=200)
+    world.feed(world.hub.cancel(request_id, world.now)[1])
+    world.run()
+    result = world.result(request_id)
+    assert (
+        result is not None
+        and result.tokens
+        == reference(model, SamplingParams(max_tokens=500, ignore_eos=True)).tokens[: len(result.tokens)]
+    )
