@@ -41,7 +41,8 @@ def authorized(header: bytes | None, keys: tuple[bytes, ...]) -> bool:
     scheme, _, given = (header or b"").partition(b" ")
     if scheme.lower() != b"bearer" or not given:
         return False
-    return any([hmac.compare_digest(given.strip(), key) for key in keys])  # a list, not a generator: no short cut
+    # A list, not a generator: every key is compared, with no short cut.
+    return any([hmac.compare_digest(given.strip(), key) for key in keys])
 
 
 class RequireKey:
