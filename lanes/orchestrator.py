@@ -21,7 +21,9 @@ from pipeline.model.default import default_model_path
 from pipeline.model.store import load_prepared
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.orchestration.effects import Send
+from pipeline.orchestration.front import unknown
 from pipeline.orchestration.hub import Hub
+from pipeline.orchestration.journal import Journal
 from pipeline.orchestration.lane_table import LANES, LaneTable
 from pipeline.orchestration.tracing import RequestTracing
 from pipeline.protocol.messages import (
@@ -119,7 +121,7 @@ class OrchestratorLane:
         if isinstance(msg, Submit):
             reply, sends = self.hub.submit(msg, self.now())
         elif isinstance(msg, Cancel):
-            reply, sends = self.hub.cancel(msg.request_id, self.now())
+            reply, sends = self.hub.cancel(msg.request_id, msg.secret, self.now())
         elif isinstance(msg, Poll):
             return await self.poll(msg)
         else:
@@ -130,6 +132,8 @@ class OrchestratorLane:
 
     async def poll(self, msg: Poll) -> Message:
         front, request_id = self.hub.front, msg.request_id
+        if front.owned(request_id, msg.secret) is None:
+            return unknown(request_id)
         wait = min(max(msg.wait, 0.0), self.config.timeouts.poll_wait_max)
         front.poll_begins(request_id)
         try:
@@ -138,7 +142,7 @@ class OrchestratorLane:
                     await self.wakeups.setdefault(request_id, trio.Event()).wait()
         finally:
             front.poll_ends(request_id, self.now())
-        return front.chunks(request_id, msg.after)
+        return front.chunks(request_id, msg.after, msg.secret)
 
     async def serve_client(self, nursery: trio.Nursery, sock: pynng.Socket, idle: list[int]) -> None:
         """One Rep context; starts another when it is the last idle one, so long polls never
@@ -165,6 +169,7 @@ class OrchestratorLane:
         data = Inbox(config.bind("data"), DataInbox)
         control = Inbox(config.bind("control"), ControlInbox)
         clients = listen(pynng.Rep0, config.bind("client"))
+        self.dispatch(hub.recover(self.now()))  # what a previous orchestrator left in the journal
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.receive, data, hub.on_data)
             nursery.start_soon(self.receive, control, hub.on_control)
@@ -180,7 +185,8 @@ async def serve(lane: LaneContext) -> None:
     tracing = RequestTracing(
         lane.telemetry, PipelineMetrics(lane.telemetry.meter, config.model_id()), config.model_id()
     )
-    hub = Hub(config, tokenizer, cfg.context_length, tracing, LaneTable(names))
+    journal = Journal(config.run.journal)
+    hub = Hub(config, tokenizer, cfg.context_length, tracing, LaneTable(names), journal)
     await OrchestratorLane(hub, lane).run()
 
 

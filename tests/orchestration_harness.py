@@ -15,6 +15,7 @@ from pipeline.model import Model
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.orchestration.effects import Send
 from pipeline.orchestration.hub import Hub
+from pipeline.orchestration.journal import Journal
 from pipeline.orchestration.lane_table import LaneTable
 from pipeline.orchestration.tracing import RequestTracing
 from pipeline.protocol.config import Config
@@ -72,17 +73,39 @@ class World:
     beating: set[str] = field(default_factory=set)  # lanes up and not frozen: they beat as time passes
     audited: dict[str, AuditEvent] = field(default_factory=dict)
     sent: list[Send] = field(default_factory=list)
+    secrets: dict[str, str] = field(default_factory=dict)  # what each Submit was answered with
+    journal_path: str = ":memory:"  # a file, for tests that restart the orchestrator
+    orchestrator_dead: bool = False  # replies sent now are lost with it
     pids: dict[str, int] = field(
         default_factory=lambda: {"verify": 10, "draft": 20, "audit": 30, "orchestrator": 40}
     )
 
     def __post_init__(self) -> None:
         self.telemetry = MemoryTelemetry()
-        tracing = RequestTracing(self.telemetry, PipelineMetrics(self.telemetry.meter, "tiny"), "tiny")
-        assert self.model.tokenizer is not None
-        self.hub = Hub(self.config, self.model.tokenizer, self.model.cfg.context_length, tracing, LaneTable())
+        self.hub = self.new_hub()
         self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
         self.drafts = DraftServer(make_draft_sources(self.model), self.model.cfg.vocab_size, FakeLane())
+
+    def new_hub(self) -> Hub:
+        tracing = RequestTracing(self.telemetry, PipelineMetrics(self.telemetry.meter, "tiny"), "tiny")
+        assert self.model.tokenizer is not None
+        journal = Journal(self.journal_path)
+        return Hub(
+            self.config, self.model.tokenizer, self.model.cfg.context_length, tracing, LaneTable(), journal
+        )
+
+    def orchestrator_killed(self, deliver_in_flight: bool) -> None:
+        """The orchestrator dies: its memory goes, the lanes may or may not get what it had sent,
+        their replies are lost; a new one starts from the journal and the lanes beat to it."""
+        self.orchestrator_dead = True
+        if deliver_in_flight:
+            self.run()
+        self.in_flight.clear()
+        self.hub.journal.close()
+        self.orchestrator_dead = False
+        self.hub = self.new_hub()
+        self.feed(self.hub.recover(self.now))
+        self.up(*self.beating)
 
     # --- the control lane ----------------------------------------------------------------
 
@@ -109,6 +132,8 @@ class World:
         self.in_flight.extend(sends)
 
     def reply(self, message: msgspec.Struct) -> None:
+        if self.orchestrator_dead:
+            return
         self.feed(self.hub.on_data(REPLIES.decode(encode(message)), self.now))
 
     def deliver_one(self) -> Send:
@@ -156,6 +181,7 @@ class World:
         reply, sends = self.hub.submit(Submit(prompt=prompt, **fields), self.now)  # type: ignore[arg-type]
         assert isinstance(reply, Submitted), reply
         self.feed(sends)
+        self.secrets[reply.request_id] = reply.secret
         return reply.request_id
 
     def result(self, request_id: str) -> Result | None:
@@ -163,4 +189,4 @@ class World:
         return None if machine is None else machine.result
 
     def faults(self, kind: str | None = None) -> list[str]:
-        return [f.lane for f in self.hub.faults if kind is None or f.kind == kind]
+        return [f.lane for f in self.hub.ledger.faults if kind is None or f.kind == kind]

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import msgspec
 
+from pipeline.audit.store import AuditStore
 from pipeline.protocol.client import Client
 from pipeline.protocol.config import Config, load_config
-from pipeline.protocol.messages import StatusReport
+from pipeline.protocol.messages import SpeculativeEvent, StatusReport
 from pipeline.service.launch import launch, stop
 
 
@@ -72,6 +73,23 @@ class Pipeline:
             ).fetchall()
         finally:
             db.close()
+
+    def summary(self, request_id: str, timeout: float = 20.0) -> SpeculativeEvent:
+        """The request's closing record in the audit store, as the pipeline served it (requests
+        are readable through the client socket only with their submitter's secret)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            store = AuditStore(self.config.audit.path, readonly=True)
+            try:
+                found = store.of_types(["SpeculativeEvent"], request_id)
+            finally:
+                store.close()
+            if found:
+                assert isinstance(found[0], SpeculativeEvent)
+                return found[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no summary of {request_id} in the audit store")
+            time.sleep(0.1)
 
     def child_pids(self) -> list[int]:
         return [lane.pid for lane in self.status().lanes if lane.pid]

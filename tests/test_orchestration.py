@@ -14,6 +14,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Model
 from pipeline.model.prompts import prompt_tokens
+from pipeline.orchestration.front import unknown
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
     Chunks,
@@ -77,7 +78,7 @@ def test_a_request_gives_the_in_process_tokens(world, model, params, drafter):
     assert result.tokens == want.tokens and result.text == want.text
     assert result.finish_reason == "length" and result.request_id == request_id
     assert result.stats.steps == want.stats.steps and result.stats.accepted == want.stats.accepted
-    chunks = world.hub.front.chunks(request_id, -1)
+    chunks = world.hub.front.chunks(request_id, -1, world.secrets[request_id])
     assert isinstance(chunks, Chunks) and [t for c in chunks.chunks for t in c.tokens] == want.tokens
     assert [c.seq for c in chunks.chunks] == list(range(len(chunks.chunks)))
     if drafter == "ngram":
@@ -93,7 +94,7 @@ def test_every_step_and_the_summary_reach_the_audit_trail_once(world):
     assert sum(isinstance(e, RequestOpened) for e in events) == 1
     (summary,) = [e for e in events if isinstance(e, SpeculativeEvent)]
     assert summary.tokens == result.tokens and summary.iterations == result.stats.steps
-    assert len(world.hub.outbox) == 0  # every event acknowledged
+    assert len(world.hub.ledger.outbox) == 0  # every event acknowledged
 
 
 def test_a_draft_lane_that_dies_turns_steps_into_plain_decoding(world, model):
@@ -208,27 +209,28 @@ def test_a_verify_failure_ends_the_request_with_an_error_result(world):
 def test_cancel_ends_the_request_frees_the_lanes_and_keeps_its_chunks(world):
     request_id = world.submit(PROMPT, params=SamplingParams(max_tokens=500, ignore_eos=True))
     world.run(until=10)
-    reply, sends = world.hub.cancel(request_id, world.now)
+    reply, sends = world.hub.cancel(request_id, world.secrets[request_id], world.now)
     world.feed(sends)
     world.run()
     result = world.result(request_id)
     assert isinstance(reply, Chunks) and reply.done == result
     assert result is not None and result.finish_reason == "cancelled" and 0 < len(result.tokens) < 500
     assert request_id not in world.verifier.requests and request_id not in world.drafts.active
-    assert world.hub.cancel(request_id, world.now)[1] == []  # cancelling again does nothing
+    again = world.hub.cancel(request_id, world.secrets[request_id], world.now)
+    assert again[1] == []  # cancelling again does nothing
 
 
 def test_a_client_resumes_after_any_chunk_until_the_retention_time(world):
     request_id = world.submit(PROMPT, params=GREEDY)
     result = finished(world, request_id)
     front = world.hub.front
-    whole = front.chunks(request_id, -1)
+    whole = front.chunks(request_id, -1, world.secrets[request_id])
     assert isinstance(whole, Chunks) and whole.done == result
     for after in range(len(whole.chunks)):
-        rest = front.chunks(request_id, after)
+        rest = front.chunks(request_id, after, world.secrets[request_id])
         assert isinstance(rest, Chunks) and rest.chunks == whole.chunks[after + 1 :] and rest.done == result
     world.tick(world.config.timeouts.retain + 1)
-    assert isinstance(front.chunks(request_id, -1), ErrorReply)
+    assert isinstance(front.chunks(request_id, -1, world.secrets[request_id]), ErrorReply)
 
 
 def test_a_request_nobody_polls_is_cancelled(world):
@@ -259,16 +261,16 @@ def test_audit_events_wait_for_the_audit_lane_and_unacknowledged_ones_are_sent_a
     world.up("verify", "draft", "orchestrator")
     request_id = world.submit(PROMPT, params=GREEDY)
     finished(world, request_id)
-    held = len(world.hub.outbox)
+    held = len(world.hub.ledger.outbox)
     assert held > 0 and not world.audited
     world.lost.add("audit")
     world.up("audit")
     world.run()
-    assert len(world.hub.outbox) == held  # sent, lost, not acknowledged
+    assert len(world.hub.ledger.outbox) == held  # sent, lost, not acknowledged
     world.lost.clear()
     world.tick(world.config.audit.resend_after + 0.01)
     world.run()
-    assert len(world.hub.outbox) == 0 and len(world.audited) == held
+    assert len(world.hub.ledger.outbox) == 0 and len(world.audited) == held
     world.down("audit")  # a restarted audit lane gets nothing twice: all was acknowledged
     world.up("audit")
     world.run()
@@ -333,7 +335,7 @@ def test_a_huge_max_tokens_reserves_only_a_bounded_cache_up_front(world):
     opening = next(s.message for s in world.in_flight if isinstance(s.message, Open))
     assert opening.capacity <= len(machine.session.prompt_tokens) + 256 + 17
     world.run(until=40)
-    world.feed(world.hub.cancel(request_id, world.now)[1])
+    world.feed(world.hub.cancel(request_id, world.secrets[request_id], world.now)[1])
     world.run()
     assert world.result(request_id).finish_reason == "cancelled"
 
@@ -352,7 +354,7 @@ def test_a_lane_that_stops_beating_is_not_counted_as_up_until_it_beats_again(wor
     world.lost.clear()
     world.up("verify")
     world.run(until=200)
-    world.feed(world.hub.cancel(request_id, world.now)[1])
+    world.feed(world.hub.cancel(request_id, world.secrets[request_id], world.now)[1])
     world.run()
     result = world.result(request_id)
     assert (
@@ -360,3 +362,127 @@ def test_a_lane_that_stops_beating_is_not_counted_as_up_until_it_beats_again(wor
         and result.tokens
         == reference(model, SamplingParams(max_tokens=500, ignore_eos=True)).tokens[: len(result.tokens)]
     )
+
+
+# --- the orchestrator's own death: the journal ---------------------------------------------
+
+
+def read_all(world: World, request_id: str, after: int = -1) -> tuple[list, Result | None]:
+    reply = world.hub.front.chunks(request_id, after, world.secrets[request_id])
+    assert isinstance(reply, Chunks), reply
+    return list(reply.chunks), reply.done
+
+
+@pytest.mark.parametrize("deliver_in_flight", [True, False], ids=["sent", "lost"])
+@pytest.mark.parametrize("deliveries", [1, 7, 40])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_restarted_orchestrator_carries_on_every_request_from_its_journal(
+    model, tmp_path, params, deliveries, deliver_in_flight
+):
+    """Killed anywhere (before the first token, mid-stream; with its last messages delivered to
+    the lanes or not): the clients' streams continue from the last chunk they saw, with nothing
+    lost or repeated, and every request ends as an undisturbed run does."""
+    world = World(model, journal_path=str(tmp_path / "journal.sqlite"))
+    world.up()
+    ids = [world.submit(PROMPT, params=params, drafter=drafter, k=4) for drafter in ("ngram", "none")]
+    world.run(until=deliveries)
+    seen = {request_id: read_all(world, request_id)[0] for request_id in ids}
+    world.orchestrator_killed(deliver_in_flight)
+    world.run()
+    for request_id, drafter in zip(ids, ("ngram", "none"), strict=True):
+        after = seen[request_id][-1].seq if seen[request_id] else -1
+        rest, done = read_all(world, request_id, after)
+        chunks = seen[request_id] + rest
+        want = reference(model, params, drafter)
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        assert [t for c in chunks for t in c.tokens] == want.tokens
+        assert "".join(c.text for c in chunks) == want.text
+        assert done is not None and done.tokens == want.tokens and done.finish_reason == "length"
+        # The whole audit trail: every step once, whoever recorded it.
+        steps = sorted(
+            e.step for e in world.audited.values() if isinstance(e, StepEvent) and e.request_id == request_id
+        )
+        assert steps == list(range(done.stats.steps + 1))
+
+
+def test_a_finished_request_stays_resumable_and_faults_and_totals_survive_a_restart(model, tmp_path):
+    world = World(model, journal_path=str(tmp_path / "journal.sqlite"))
+    world.up()
+    request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    world.down("draft")
+    world.up("draft")
+    before = finished(world, request_id)
+    faults, totals = list(world.hub.ledger.faults), world.hub.ledger.totals
+    world.orchestrator_killed(deliver_in_flight=True)
+    chunks, done = read_all(world, request_id)
+    assert done == before and [t for c in chunks for t in c.tokens] == before.tokens
+    assert list(world.hub.ledger.faults) == faults and world.hub.ledger.totals == totals and totals.runs == 1
+    world.run()  # the recovered finished request only frees the lanes (again)
+    assert request_id not in world.verifier.requests
+
+
+def test_audit_events_not_yet_acknowledged_survive_the_orchestrator(model, tmp_path):
+    world = World(model, journal_path=str(tmp_path / "journal.sqlite"))
+    world.up()
+    world.lost.add("audit")  # the audit lane takes nothing: every event stays in the outbox
+    request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    done = finished(world, request_id)
+    pending = set(world.hub.ledger.outbox.pending)
+    assert len(pending) >= done.stats.steps + 3 and not world.audited
+    world.orchestrator_killed(deliver_in_flight=False)
+    world.lost.discard("audit")
+    assert pending <= set(world.hub.ledger.outbox.pending)  # with the new process's lane snapshots
+    world.tick(world.config.audit.resend_after + 0.1)
+    world.run()
+    assert len(world.hub.ledger.outbox) == 0
+    steps = sorted(e.step for e in world.audited.values() if isinstance(e, StepEvent))
+    assert steps == list(range(done.stats.steps + 1))
+
+
+def test_the_audit_outbox_is_bounded_by_refusing_new_requests(model):
+    # Room for the lanes' first snapshots and one request's opening; not for its steps.
+    config = msgspec.structs.replace(Config(), audit=msgspec.structs.replace(Config().audit, max_pending=8))
+    world = World(model, config=config)
+    world.up()
+    world.lost.add("audit")
+    request_id = world.submit(PROMPT, params=GREEDY, drafter="none")
+    finished(world, request_id)  # a running request's events still wait in the outbox: none dropped
+    reply, sends = world.hub.submit(Submit(prompt=PROMPT, params=GREEDY), world.now)
+    assert (
+        isinstance(reply, ErrorReply) and reply.kind == "overloaded" and "audit.max_pending" in reply.message
+    )
+    assert sends == [] and len(world.hub.ledger.outbox) > 8
+
+
+def test_only_the_submitter_reads_or_cancels_a_request(world):
+    request_id = world.submit(PROMPT, params=GREEDY)
+    for secret in ("", "0" * 32, world.secrets[request_id][:-1]):
+        refused = world.hub.front.chunks(request_id, -1, secret)
+        assert isinstance(refused, ErrorReply) and refused.kind == "unknown_request"
+        assert refused == unknown(request_id)  # the answer for an id never issued: nothing told
+        reply, sends = world.hub.cancel(request_id, secret, world.now)
+        assert isinstance(reply, ErrorReply) and sends == []
+    assert finished(world, request_id).finish_reason == "length"
+
+
+def test_a_repeated_submit_with_the_same_key_gets_the_same_request(world):
+    submit = Submit(prompt=PROMPT, params=GREEDY, idempotency_key="k1")
+    first, sends = world.hub.submit(submit, world.now)
+    again, more = world.hub.submit(submit, world.now)
+    assert first == again and more == [] and len(world.hub.front.requests) == 1
+    world.feed(sends)
+    other, _ = world.hub.submit(msgspec.structs.replace(submit, idempotency_key="k2"), world.now)
+    assert isinstance(other, type(first)) and other.request_id != first.request_id
+
+
+def test_a_dead_gateway_s_requests_are_cancelled_and_nobody_else_s(world):
+    from pipeline.protocol.messages import LaneDown
+
+    mine = world.submit(PROMPT, params=SamplingParams(max_tokens=400, ignore_eos=True), owner="gateway:55")
+    other = world.submit(PROMPT, params=GREEDY)
+    world.run(until=6)
+    world.feed(world.hub.on_control(LaneDown(lane="gateway", pid=55, returncode=-9, restarts=1), world.now))
+    world.run()
+    assert world.result(mine).finish_reason == "cancelled"
+    assert world.result(other).finish_reason == "length"
+    assert mine not in world.verifier.requests

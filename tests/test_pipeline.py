@@ -120,7 +120,7 @@ def test_seeded_sampling_equals_in_process_generation(pipeline: Pipeline, drafte
     assert done.stats.seed == 11
 
 
-@pytest.mark.parametrize("lane", ["verify", "draft", "audit"])
+@pytest.mark.parametrize("lane", ["verify", "draft", "audit", "orchestrator"])
 def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeline, lane: str) -> None:
     # Long enough that the request is still running when a restarted lane is back for its second kill.
     params = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -171,7 +171,8 @@ def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeli
 def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None:
     params = SamplingParams(max_tokens=1000, ignore_eos=True)
     client = pipeline.client()
-    request_id = client.submit(STORY, chat=True, params=params, drafter="none").request_id
+    submitted = client.submit(STORY, chat=True, params=params, drafter="none")
+    request_id = submitted.request_id
     for item in client.chunks(request_id):
         if not isinstance(item, Result) and item.seq >= 3:
             break
@@ -183,7 +184,7 @@ def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None
 
     pipeline.wait_until(freed, timeout=20, what="the abandoned request to be freed")
     with pipeline.client() as client:
-        *_, done = client.chunks(request_id, after=10**6)
+        *_, done = client.chunks(request_id, after=10**6, secret=submitted.secret)
     assert done.finish_reason == "cancelled"
     assert len(done.tokens) < 1000
 
@@ -192,7 +193,8 @@ def test_a_resumed_stream_gets_the_rest_exactly_once(pipeline: Pipeline) -> None
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     ref = _reference(CODE, params, "none", 0)
     first = pipeline.client()
-    request_id = first.submit(CODE, chat=True, params=params, drafter="ngram").request_id
+    submitted = first.submit(CODE, chat=True, params=params, drafter="ngram")
+    request_id = submitted.request_id
     seen = []
     for item in first.chunks(request_id):
         assert not isinstance(item, Result)
@@ -201,6 +203,7 @@ def test_a_resumed_stream_gets_the_rest_exactly_once(pipeline: Pipeline) -> None
             break
     first.close()
     with pipeline.client() as second:  # a new connection, as after a network failure
+        second.secrets.keep(submitted)  # the secret the first connection was given
         rest, done = read_stream(second, request_id, after=seen[-1].seq)
     chunks = seen + rest
     assert [c.seq for c in chunks] == list(range(len(chunks)))

@@ -79,6 +79,7 @@ class Generation:
         self.closed = True
         self.gateway.closed(self)
         if self.done is not None:
+            self.gateway.client.forget(self.request_id)
             return
         log.info("client of %s went away: cancelling it", self.request_id)
         with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_SECONDS):
@@ -86,6 +87,7 @@ class Generation:
                 await self.gateway.client.cancel(self.request_id)
             except PipelineError as exc:
                 log.warning("cancelling %s failed: %s", self.request_id, exc)
+        self.gateway.client.forget(self.request_id)
 
 
 class Gateway:
@@ -164,10 +166,11 @@ class Gateway:
         submit = to_submit(req, self.model)
         # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
         trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
-        submit = msgspec.structs.replace(submit, trace=trace) if trace else submit
+        # Owned by this process: if it dies, the orchestrator cancels what it was streaming.
+        submit = msgspec.structs.replace(submit, trace=trace, owner=f"gateway:{os.getpid()}")
         await self.require_ready()
         try:
-            submitted = await self.client.call(submit)
+            submitted = await self.client.request(submit)
         except PipelineError as exc:
             param = "messages" if isinstance(req, ChatRequest) else "prompt"
             raise pipeline_error(exc.kind, exc.message, param) from None

@@ -1,8 +1,8 @@
 """What the orchestration core asks of the world: the only outputs of its I/O-free parts.
 
-The request machine returns these; the hub turns `Record`, `Raise`, `Stepped` and
-`FirstToken` into audit events, faults and metrics, and hands every `Send` to the lane
-process (lanes/orchestrator.py), which owns the sockets.
+The request machine returns these; the hub turns `Record`, `Raise`, `Stepped`, `Journaled`
+and `FirstToken` into audit events, faults, journal rows and metrics, and hands every `Send`
+to the lane process (lanes/orchestrator.py), which owns the sockets.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from pipeline.orchestration.journal import StepRecord
 from pipeline.protocol.messages import AuditEvent, FaultKind
 
 
@@ -39,6 +40,13 @@ class Stepped(NamedTuple):
     verify_seconds: float
 
 
+class Journaled(NamedTuple):
+    """A decided step, for the write-ahead journal: the hub writes it before any poll can read
+    the chunk it released (it runs in the same synchronous call)."""
+
+    record: StepRecord
+
+
 class FirstToken(NamedTuple):
     seconds: float
 
@@ -47,4 +55,4 @@ class DraftLaneSlow(NamedTuple):
     """A draft timed out: the hub skips drafting until the lane's next heartbeat."""
 
 
-Effect = Send | Record | Raise | Stepped | FirstToken | DraftLaneSlow
+Effect = Send | Record | Raise | Stepped | Journaled | FirstToken | DraftLaneSlow

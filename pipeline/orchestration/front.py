@@ -3,10 +3,15 @@
 Chunks carry sequence numbers and stay until `timeouts.retain` after the request ends, so a
 client that lost its connection resumes from the last chunk it saw. A running request that
 nobody has polled for `timeouts.client_idle` (and nobody is polling now) is abandoned.
+
+A request belongs to whoever submitted it: reading and cancelling it take the secret its
+Submit was answered with. A wrong secret gets the same answer as an unknown id, so request
+ids (which `status` shows in faults) tell nobody else anything.
 """
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 from pipeline.orchestration.request import RequestMachine
@@ -18,6 +23,8 @@ from pipeline.protocol.messages import Chunks, ErrorReply
 class Tracked:
     machine: RequestMachine
     last_poll: float
+    secret: str
+    owner: str = ""
     pollers: int = 0  # polls waiting right now: a client in a long poll is not idle
     finished_at: float | None = None
 
@@ -27,23 +34,30 @@ class ClientFront:
         self.timeouts = timeouts
         self.requests: dict[str, Tracked] = {}
 
-    def add(self, machine: RequestMachine, now: float) -> None:
-        self.requests[machine.id] = Tracked(machine, now)
+    def add(self, machine: RequestMachine, now: float, secret: str, owner: str = "") -> None:
+        self.requests[machine.id] = Tracked(machine, now, secret, owner)
 
     def machine(self, request_id: str) -> RequestMachine | None:
         tracked = self.requests.get(request_id)
         return tracked.machine if tracked else None
 
+    def owned(self, request_id: str, secret: str) -> RequestMachine | None:
+        """The request, if `secret` is its own (compared in constant time)."""
+        tracked = self.requests.get(request_id)
+        if tracked is None or not hmac.compare_digest(tracked.secret.encode(), secret.encode()):
+            return None
+        return tracked.machine
+
+    def owned_by(self, owner: str) -> list[RequestMachine]:
+        return [t.machine for t in self.requests.values() if t.owner == owner and not t.machine.done]
+
     def running(self) -> list[RequestMachine]:
         return [t.machine for t in self.requests.values() if not t.machine.done]
 
-    def chunks(self, request_id: str, after: int) -> Chunks | ErrorReply:
-        tracked = self.requests.get(request_id)
-        if tracked is None:
-            return ErrorReply(
-                kind="unknown_request", message=f"no request {request_id!r} (finished long ago?)"
-            )
-        machine = tracked.machine
+    def chunks(self, request_id: str, after: int, secret: str) -> Chunks | ErrorReply:
+        machine = self.owned(request_id, secret)
+        if machine is None:
+            return unknown(request_id)
         return Chunks(request_id=request_id, chunks=machine.chunks[max(after + 1, 0) :], done=machine.result)
 
     def has_news(self, request_id: str, after: int) -> bool:
@@ -71,9 +85,16 @@ class ClientFront:
             if not t.machine.done and not t.pollers and now - t.last_poll > idle
         ]
 
-    def forget_expired(self, now: float) -> None:
+    def forget_expired(self, now: float) -> list[str]:
         retain = self.timeouts.retain
-        for request_id in [
+        expired = [
             r for r, t in self.requests.items() if t.finished_at is not None and now - t.finished_at > retain
-        ]:
+        ]
+        for request_id in expired:
             del self.requests[request_id]
+        return expired
+
+
+def unknown(request_id: str) -> ErrorReply:
+    """For an id that is not known here, or not the caller's to see."""
+    return ErrorReply(kind="unknown_request", message=f"no request {request_id!r} (finished long ago?)")

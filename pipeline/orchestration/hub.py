@@ -7,14 +7,15 @@ Collaborators, each passed in or built here with what it needs:
 - `ClientFront`: the requests clients poll, resume and cancel;
 - `RequestMachine`: one request's step protocol;
 - `LaneTable`: each lane's state as the control lane reports it;
-- `AuditOutbox`: audit events until the audit lane acknowledges them;
-- `RequestTracing`: traces and metrics.
+- `Ledger`: audit events until the audit lane acknowledges them, faults, totals, snapshots;
+- `RequestTracing`: traces and metrics;
+- `Journal`: the write-ahead record a restarted orchestrator recovers from (`recover`).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
+import secrets
 import time
 import uuid
 
@@ -23,10 +24,20 @@ import msgspec
 from pipeline.decoding.session import Session
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.orchestration.admission import admit
-from pipeline.orchestration.audit_outbox import AuditOutbox
-from pipeline.orchestration.effects import DraftLaneSlow, Effect, FirstToken, Raise, Record, Send, Stepped
-from pipeline.orchestration.front import ClientFront
+from pipeline.orchestration.effects import (
+    DraftLaneSlow,
+    Effect,
+    FirstToken,
+    Journaled,
+    Raise,
+    Record,
+    Send,
+    Stepped,
+)
+from pipeline.orchestration.front import ClientFront, unknown
+from pipeline.orchestration.journal import Journal, OpenedRecord
 from pipeline.orchestration.lane_table import LaneTable
+from pipeline.orchestration.ledger import Ledger
 from pipeline.orchestration.request import Identity, RequestMachine
 from pipeline.orchestration.tracing import RequestTracing
 from pipeline.protocol.config import Config
@@ -40,18 +51,14 @@ from pipeline.protocol.messages import (
     DraftRequest,
     ErrorReply,
     Fault,
-    FaultEvent,
     FaultKind,
     LaneDown,
-    LaneSnapshot,
     RequestOpened,
     Shutdown,
     SpeculativeEvent,
-    SpeculativeState,
     StatusReport,
     Submit,
     Submitted,
-    encode,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -65,24 +72,26 @@ class Hub:
         context_length: int,
         tracing: RequestTracing,
         lanes: LaneTable,
+        journal: Journal | None = None,
     ) -> None:
         self.config, self.tokenizer, self.context_length = config, tokenizer, context_length
         self.tracing, self.lanes = tracing, lanes
+        self.journal = journal or Journal()
+        self.by_key: dict[str, str] = {}  # idempotency key -> request id
         self.front = ClientFront(config.timeouts)
-        self.outbox = AuditOutbox()
-        self.faults: collections.deque[Fault] = collections.deque(maxlen=200)
-        self.totals = SpeculativeState()
+        self.ledger = Ledger(config.audit, lanes, self.journal)
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
         self.closing: str | None = None  # the supervisor is stopping the pipeline: admit nothing new
-        self.next_resend = 0.0
 
     # --- clients ----------------------------------------------------------------------
 
     def submit(self, msg: Submit, now: float) -> tuple[Submitted | ErrorReply, list[Send]]:
-        if self.closing is not None:
-            return ErrorReply(
-                kind="unavailable", message=f"the pipeline is shutting down ({self.closing})"
-            ), []
+        if msg.idempotency_key and (known := self.by_key.get(msg.idempotency_key)) is not None:
+            tracked = self.front.requests[known]  # the reply to the first Submit was lost: the same again
+            prompt = len(tracked.machine.session.prompt_tokens)
+            return Submitted(request_id=known, prompt_tokens=prompt, secret=tracked.secret), []
+        if (refusal := self._refusal()) is not None:
+            return refusal, []
         admitted = admit(
             msg, self.config.speculation, self.tokenizer, self.context_length,
             has_draft_model=bool(self.config.model.draft_path),
@@ -91,33 +100,76 @@ class Hub:
             return admitted, []
         request_id, speculation = uuid.uuid4().hex, admitted.speculation
         trace = self.tracing.start(request_id, msg, admitted.seed, len(admitted.tokens), speculation)
-        who = Identity(request_id, admitted.seed, speculation.drafter, trace, now, time.time())
-        session = Session(self.tokenizer, self.context_length, admitted.tokens, msg.params, speculation)
-        machine = RequestMachine(who, session, self.lanes, self.config.timeouts)
-        self.front.add(machine, now)
+        record = OpenedRecord(
+            request_id=request_id, secret=secrets.token_hex(16), owner=msg.owner,
+            idempotency_key=msg.idempotency_key, submitted=time.time(), prompt_tokens=admitted.tokens,
+            params=msg.params, speculation=speculation, seed=admitted.seed, trace=trace,
+        )  # fmt: skip
+        self.journal.opened(record)
+        machine = self._track(record, now)
         settings = {
             "params": msgspec.to_builtins(msg.params), "drafter": speculation.drafter,
             "k": speculation.fixed_k, "seed": admitted.seed,
             "model": self.config.model.path, "draft_model": self.config.model.draft_path,  # "": the default
         }  # fmt: skip
         opened = RequestOpened(
-            event_id=f"{request_id}:opened", request_id=request_id, time=who.submitted, settings=settings,
+            event_id=f"{request_id}:opened", request_id=request_id, time=record.submitted, settings=settings,
             prompt_tokens=admitted.tokens, trace=trace,
         )  # fmt: skip
         sends = self._record(opened, now) + self._run(machine, machine.begin(now), now)
-        return Submitted(request_id=request_id, prompt_tokens=len(admitted.tokens)), sends
+        submitted = Submitted(request_id=request_id, prompt_tokens=len(admitted.tokens), secret=record.secret)
+        return submitted, sends
 
-    def cancel(self, request_id: str, now: float) -> tuple[Chunks | ErrorReply, list[Send]]:
-        machine = self.front.machine(request_id)
+    def _refusal(self) -> ErrorReply | None:
+        """Why no new request is admitted now, if so."""
+        if self.closing is not None:
+            return ErrorReply(kind="unavailable", message=f"the pipeline is shutting down ({self.closing})")
+        backlog = self.ledger.backlog()
+        return None if backlog is None else ErrorReply(kind="overloaded", message=backlog)
+
+    def _track(self, record: OpenedRecord, now: float) -> RequestMachine:
+        """A request machine for a journaled request, known to the client front."""
+        started = now - max(time.time() - record.submitted, 0.0)  # on this process's clock
+        drafter = record.speculation.drafter
+        who = Identity(record.request_id, record.seed, drafter, record.trace, started, record.submitted)
+        session = Session(
+            self.tokenizer, self.context_length, record.prompt_tokens, record.params, record.speculation
+        )
+        machine = RequestMachine(who, session, self.lanes, self.config.timeouts)
+        self.front.add(machine, now, record.secret, record.owner)
+        if record.idempotency_key:
+            self.by_key[record.idempotency_key] = record.request_id
+        return machine
+
+    def recover(self, now: float) -> list[Send]:
+        """After a restart: every journaled request back as it was when its last step was decided,
+        the unacknowledged audit events, the kept faults and the totals; then each running request
+        re-primes the verify lane (when it is up) and carries on."""
+        journaled = self.journal.recover()
+        self.ledger.restore(journaled)
+        sends: list[Send] = []
+        for request in journaled.requests:
+            machine = self._track(request.opened, now)
+            machine.replay(request.steps, request.result)
+            if request.result is not None:
+                self.front.finished(machine.id, now)
+            else:
+                self.tracing.resumed(machine.id, request.opened.trace, len(request.steps))
+            sends += self._run(machine, machine.resume(now), now)
+        log.info("recovered %d requests (%d running)", len(journaled.requests), len(self.front.running()))
+        return sends
+
+    def cancel(self, request_id: str, secret: str, now: float) -> tuple[Chunks | ErrorReply, list[Send]]:
+        machine = self.front.owned(request_id, secret)
         if machine is None:
-            return ErrorReply(kind="unknown_request", message=f"no request {request_id!r}"), []
+            return unknown(request_id), []
         sends = self._run(machine, machine.cancel(now), now)
         return Chunks(request_id=request_id, chunks=[], done=machine.result), sends
 
     def status(self) -> StatusReport:
         return StatusReport(
             lanes=self.lanes.statuses(), active_requests=len(self.front.running()),
-            audit_pending=len(self.outbox), totals=self.totals, faults=list(self.faults),
+            audit_pending=len(self.ledger.outbox), totals=self.ledger.totals, faults=list(self.ledger.faults),
         )  # fmt: skip
 
     # --- inboxes ----------------------------------------------------------------------
@@ -126,7 +178,7 @@ class Hub:
         if isinstance(msg, BadMessage):
             return self._raise("bad_request", "orchestrator", f"data inbox: {msg}", None, now)
         if isinstance(msg, AuditAck):
-            self.outbox.ack(msg.event_ids)
+            self.ledger.acknowledged(msg.event_ids)
             return []
         machine = self.front.machine(msg.request_id)
         return [] if machine is None else self._run(machine, machine.on_reply(msg, now), now)
@@ -135,7 +187,7 @@ class Hub:
         if isinstance(msg, BadMessage):
             return self._raise("bad_request", "orchestrator", f"control inbox: {msg}", None, now)
         if isinstance(msg, Fault):
-            return self._keep_fault(msg, now)
+            return self.ledger.fault(msg, now)
         if isinstance(msg, Shutdown):
             self.closing = msg.reason or "shutdown"
             return []
@@ -145,12 +197,11 @@ class Hub:
         if change == "went_down":
             assert isinstance(msg, LaneDown)
             return self._lane_down(msg, now)
-        sends = self._snapshot(msg.lane, now)
+        sends = self.ledger.snapshot(msg.lane, now)
         if change == "came_up":
             self.tracing.lane_back(msg.lane, lane.pid)
             if msg.lane == "audit":
-                self.outbox.all_unsent()
-                sends += self._resend_audit(now)
+                sends += self.ledger.audit_lane_back(now)
             if msg.lane == "verify":
                 for machine in self.front.running():
                     sends += self._run(machine, machine.verify_lane_up(now), now)
@@ -163,20 +214,19 @@ class Hub:
             sends += self._run(machine, machine.tick(now), now)
         for request_id in self.front.abandoned(now):
             log.info("client of %s went away: cancelling", request_id)
-            sends += self.cancel(request_id, now)[1]
-        self.front.forget_expired(now)
+            sends += self._cancel(request_id, now)
+        for request_id in self.front.forget_expired(now):
+            self.journal.forget(request_id)
+        self.by_key = {key: r for key, r in self.by_key.items() if r in self.front.requests}
         for lane in self.lanes.stalled(now, self.config.restart.hang_seconds):
             message = f"no heartbeat for {self.config.restart.hang_seconds:g} s: not counted as up"
             sends += self._raise("timeout", lane, message, None, now)
-        if now >= self.next_resend:
-            self.next_resend = now + self.config.audit.resend_after / 2
-            sends += self._resend_audit(now)
-        return sends
+        return sends + self.ledger.due(now)
 
     def send_failed(self, send: Send, now: float) -> list[Send]:
         """The lane process could not hand `send` over right now."""
         if send.lane == "audit":
-            self.outbox.unsent(send.event_id)
+            self.ledger.outbox.unsent(send.event_id)
         elif isinstance(send.message, DraftRequest):
             machine = self.front.machine(send.message.request_id)
             if machine is not None:
@@ -196,6 +246,8 @@ class Hub:
                 sends += self._record(effect.event, now)
             elif isinstance(effect, Raise):
                 sends += self._raise(effect.kind, effect.lane, effect.message, effect.request_id, now)
+            elif isinstance(effect, Journaled):
+                self.journal.stepped(machine.id, effect.record)
             elif isinstance(effect, Stepped):
                 self.tracing.step(*effect)
             elif isinstance(effect, FirstToken):
@@ -212,13 +264,12 @@ class Hub:
         result = machine.result
         assert result is not None
         self.front.finished(machine.id, now)
+        self.journal.finished(machine.id, result, time.time())
         self.tracing.end(result, now - machine.who.started)
         if result.error is not None:
             return []
         stats = machine.session.stats
-        self.totals.runs += 1
-        self.totals.drafted += stats.drafted
-        self.totals.accepted += stats.accepted
+        self.ledger.count_run(stats.drafted, stats.accepted)
         summary = SpeculativeEvent(
             event_id=f"{machine.id}:summary", request_id=machine.id, time=time.time(),
             drafted=stats.drafted, accepted=stats.accepted, acceptance_rate=stats.acceptance_rate,
@@ -231,19 +282,7 @@ class Hub:
         machine = self.front.machine(event.request_id)
         if machine is not None and not event.trace:
             event = msgspec.structs.replace(event, trace=machine.who.trace)  # the audit lane's span joins it
-        data, up = encode(event), self.lanes.is_up("audit")
-        self.outbox.add(event.event_id, data, now if up else None)
-        return [Send("audit", data, event.event_id)] if up else []
-
-    def _keep_fault(self, fault: Fault, now: float) -> list[Send]:
-        self.faults.append(fault)
-        event = FaultEvent(
-            event_id=f"fault:{uuid.uuid4().hex}",
-            request_id=fault.request_id or "",
-            time=fault.time or time.time(),
-            fault=fault,
-        )
-        return self._record(event, now)
+        return self.ledger.record(event, now)
 
     def _raise(
         self, kind: FaultKind, lane: str, message: str, request_id: str | None, now: float
@@ -258,7 +297,7 @@ class Hub:
             concerned = [m.id for m in self.front.running()] if kind == "lane_down" else []
         self.tracing.fault(kind, lane, message, concerned, step=machine.step if machine else None)
         fault = Fault(kind=kind, lane=lane, message=message, request_id=request_id, time=time.time())
-        return self._keep_fault(fault, now)
+        return self.ledger.fault(fault, now)
 
     def _lane_down(self, msg: LaneDown, now: float) -> list[Send]:
         message = f"pid {msg.pid} exited with {msg.returncode}; restarting"
@@ -267,25 +306,11 @@ class Hub:
         self.tracing.lane_down(msg, [m.id for m in running])
         for machine in running:
             sends += self._run(machine, machine.lane_down(msg.lane, now), now)
+        for machine in self.front.owned_by(f"{msg.lane}:{msg.pid}"):  # a dead gateway's requests
+            log.info("%s died: cancelling its request %s", msg.lane, machine.id)
+            sends += self._cancel(machine.id, now)
         return sends
 
-    def _snapshot(self, name: str, now: float) -> list[Send]:
-        """The lane's heartbeat totals into the audit trail, at most every audit.snapshot_seconds."""
-        lane, every = self.lanes[name], self.config.audit.snapshot_seconds
-        if every <= 0 or now - lane.snapshot_at < every:
-            return []
-        lane.snapshot_at = now
-        snapshot = LaneSnapshot(
-            event_id=f"lane:{name}:{uuid.uuid4().hex}", request_id="", time=time.time(), lane=name,
-            pid=lane.pid, restarts=lane.restarts, lane_state=lane.state,
-            totals=self.totals if name == "orchestrator" else lane.totals,
-        )  # fmt: skip
-        return self._record(snapshot, now)
-
-    def _resend_audit(self, now: float) -> list[Send]:
-        if not self.lanes.is_up("audit"):
-            return []
-        return [
-            Send("audit", data, event_id)
-            for event_id, data in self.outbox.due(now, self.config.audit.resend_after)
-        ]
+    def _cancel(self, request_id: str, now: float) -> list[Send]:
+        machine = self.front.machine(request_id)
+        return [] if machine is None else self._run(machine, machine.cancel(now), now)

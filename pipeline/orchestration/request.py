@@ -9,6 +9,9 @@ lane that lost the request. Each reply, timeout or lane change advances it and r
   "unknown request" is re-primed from the accepted prefix, then asked the same step again;
 - any other verify failure ends the request with an error result.
 Replies that do not match the pending message (late, repeated) change nothing.
+
+Every decided step leaves as a `Journaled` effect, and `replay` rebuilds a machine from those
+records: a restarted orchestrator carries on from the last step any client can have seen.
 """
 
 from __future__ import annotations
@@ -18,7 +21,17 @@ from dataclasses import dataclass
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.session import Session
-from pipeline.orchestration.effects import DraftLaneSlow, Effect, FirstToken, Raise, Record, Send, Stepped
+from pipeline.orchestration.effects import (
+    DraftLaneSlow,
+    Effect,
+    FirstToken,
+    Journaled,
+    Raise,
+    Record,
+    Send,
+    Stepped,
+)
+from pipeline.orchestration.journal import StepRecord
 from pipeline.orchestration.lane_table import LaneTable
 from pipeline.protocol.config import Timeouts
 from pipeline.protocol.messages import (
@@ -117,8 +130,8 @@ class RequestMachine:
             return self._drafted(msg, now)
         if isinstance(msg, Opened):
             assert isinstance(pending, Open)
-            if not pending.sample:  # the lane is re-primed: ask it the lost step again
-                return self._verify_step(now)
+            if not pending.sample:  # the lane is re-primed: ask it the lost step again (none after
+                return self._verify_step(now) if self.planned else self._advance(now)  # a replay)
             return self._opened(msg, now)
         return self._verified(msg, now)
 
@@ -156,6 +169,26 @@ class RequestMachine:
 
     def cancel(self, now: float) -> list[Effect]:
         return [] if self.done else self._finish(now, "cancelled")
+
+    # --- after an orchestrator restart ---------------------------------------------------
+
+    def replay(self, records: list[StepRecord], result: Result | None) -> None:
+        """Rebuild the accepted tokens, chunks, counters and k policy from the journal, exactly as
+        the steps first built them (the session is a pure function of what it was fed)."""
+        for record in records:
+            self._apply(record)
+        if result is not None:  # what `_finish` released last: text held back until the end
+            released = "".join(chunk.text for chunk in self.chunks)
+            self._emit(result.text[len(released) :], len(self.session.out.tokens))
+            self.result = result
+
+    def resume(self, now: float) -> list[Effect]:
+        """Carry on after `replay`: re-prime the verify lane from the accepted prefix (it may hold
+        this request at a later step the journal never saw), or open it afresh if no token was
+        decided yet; a finished request only frees the lanes again."""
+        if self.done:
+            return self._release()
+        return self._reprime(now) if self.session.out.tokens else self.begin(now)
 
     # --- steps -------------------------------------------------------------------------
 
@@ -219,42 +252,57 @@ class RequestMachine:
 
     def _opened(self, msg: Opened, now: float) -> list[Effect]:
         assert msg.token is not None
-        self.draws = msg.draws
-        self.prefill_seconds = now - self.who.started
-        self._emit(self.session.start(msg.token), 0)
-        effects: list[Effect] = [FirstToken(now - self.who.started), self._record(msg, now)]
-        return effects + self._advance(now)
+        record = StepRecord(0, 0, [msg.token], 0, 0.0, now - self.who.started, msg.draws)
+        self._apply(record)
+        event = Record(step_event(self.who, None, msg, now))
+        return [Journaled(record), FirstToken(record.verify_seconds), event, *self._advance(now)]
 
     def _verified(self, msg: Verified, now: float) -> list[Effect]:
-        planned, session = self.planned, self.session
+        planned = self.planned
         assert planned is not None
-        verify_seconds = now - planned.verify_started
-        before = len(session.out.tokens)
-        text = session.record(
-            len(planned.drafts), msg.tokens, msg.accepted, planned.draft_seconds, verify_seconds
-        )
-        self.step, self.draws = msg.step, msg.draws
-        self._emit(text, before)
+        record = StepRecord(
+            msg.step, len(planned.drafts), list(msg.tokens), msg.accepted, planned.draft_seconds,
+            now - planned.verify_started, msg.draws, planned.drafter,
+        )  # fmt: skip
+        self._apply(record)
         stepped = Stepped(
-            planned.drafter, len(planned.drafts), msg.accepted, planned.draft_seconds, verify_seconds
+            record.drafter, record.drafted, record.accepted, record.draft_seconds, record.verify_seconds
         )
-        return [stepped, self._record(msg, now), *self._advance(now)]
+        event = Record(step_event(self.who, planned, msg, now))
+        return [Journaled(record), stepped, event, *self._advance(now)]
+
+    def _apply(self, record: StepRecord) -> None:
+        """A decided step into the session and the chunks: the same code live and in `replay`."""
+        session, before = self.session, len(self.session.out.tokens)
+        if record.step == 0:
+            self.prefill_seconds = record.verify_seconds
+            text = session.start(record.tokens[0])
+        else:
+            seconds = (record.draft_seconds, record.verify_seconds)
+            text = session.record(record.drafted, record.tokens, record.accepted, *seconds)
+        self.step, self.draws = record.step, record.draws
+        self._emit(text, before)
 
     def _failed(self, msg: StepFailed, now: float) -> list[Effect]:
         if msg.origin == "draft":
             return self._verify_step(now)  # the draft lane reported it: this step decodes plainly
         if msg.kind == "unknown_request" and msg.origin == "verify":
-            session = self.session
-            return self._to_verify(
-                Open(
-                    request_id=self.id, step=self.step, tokens=session.context[:-1], params=session.params,
-                    seed=self.who.seed, draws=self.draws, sample=False, capacity=session.capacity(),
-                    trace=self.who.trace,
-                ),
-                now,
-            )  # fmt: skip
+            return self._reprime(now)
         self.result = Result.failed(self.id, msg.kind, msg.message)
         return [Raise(msg.kind, "verify", msg.message, self.id), *self._release()]
+
+    def _reprime(self, now: float) -> list[Effect]:
+        """Rebuild the verify lane's state for this request from the accepted prefix, with the
+        draw count it had, sampling nothing: the lane then stands where the last step left it."""
+        session = self.session
+        return self._to_verify(
+            Open(
+                request_id=self.id, step=self.step, tokens=session.context[:-1], params=session.params,
+                seed=self.who.seed, draws=self.draws, sample=False, capacity=session.capacity(),
+                trace=self.who.trace,
+            ),
+            now,
+        )  # fmt: skip
 
     def _finish(self, now: float, reason: str | None = None) -> list[Effect]:
         session = self.session
@@ -285,19 +333,22 @@ class RequestMachine:
         if text or tokens:
             self.chunks.append(Chunk(len(self.chunks), text, tokens))
 
-    def _record(self, reply: Opened | Verified, now: float) -> Record:
-        """The step for the audit trail (step 0 is the prefill that sampled the first token)."""
-        if isinstance(reply, Opened):
-            planned, emitted, decisions, final_u, batch = None, [reply.token], [], reply.u, 1
-        else:
-            planned, emitted, decisions = self.planned, list(reply.tokens), reply.decisions
-            final_u, batch = reply.final_u, reply.batch_size
-        return Record(
-            StepEvent(
-                event_id=f"{self.id}:step:{reply.step}", request_id=self.id,
-                time=self.who.submitted + (now - self.who.started), step=reply.step,
-                drafter=planned.drafter if planned else "", k=planned.want if planned else 0,
-                drafted=list(planned.drafts) if planned else [], emitted=emitted, decisions=decisions,
-                final_u=final_u, draws=reply.draws, batch_size=batch, backend=reply.backend,
-            )
-        )  # fmt: skip
+
+def step_event(who: Identity, planned: Planned | None, reply: Opened | Verified, now: float) -> StepEvent:
+    """The step for the audit trail (step 0 is the prefill that sampled the first token)."""
+    if isinstance(reply, Opened):
+        planned, emitted, decisions, final_u, batch = None, [reply.token], [], reply.u, 1
+    else:
+        emitted, decisions, final_u, batch = (
+            list(reply.tokens),
+            reply.decisions,
+            reply.final_u,
+            reply.batch_size,
+        )
+    return StepEvent(
+        event_id=f"{who.id}:step:{reply.step}", request_id=who.id,
+        time=who.submitted + (now - who.started), step=reply.step,
+        drafter=planned.drafter if planned else "", k=planned.want if planned else 0,
+        drafted=list(planned.drafts) if planned else [], emitted=emitted, decisions=decisions,
+        final_u=final_u, draws=reply.draws, batch_size=batch, backend=reply.backend,
+    )  # fmt: skip

@@ -49,6 +49,14 @@ class RequestTracing:
         self.metrics.admitted(prompt_tokens)
         return carrier(root)
 
+    def resumed(self, request_id: str, trace: dict[str, str], steps: int) -> None:
+        """A request a restarted orchestrator carries on: a new root span in the request's own
+        trace (the first root died with the old process), ended like any other."""
+        attributes = {"speclanes.request_id": request_id, "speclanes.resumed_after_step": steps - 1}
+        self.roots[request_id] = self.telemetry.start(
+            f"resumed {self.model_id}", trace, attributes, kind=SpanKind.SERVER
+        )
+
     def dequeued(self, request_id: str) -> None:
         if (span := self.queued.pop(request_id, None)) is not None:
             span.end()

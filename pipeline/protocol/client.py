@@ -6,11 +6,17 @@ last chunk it saw and gets the rest exactly once.
 `Client` blocks; `AsyncClient` is the same protocol under trio (the HTTP gateway uses it):
 one socket, one Req0 context per call, so many requests share it concurrently. Both build
 their messages and read their replies with the same functions below.
+
+Every call is retried across a restart of the orchestrator, Submit included: it carries a
+random idempotency key, so a Submit whose reply was lost gets the same request back. A client
+keeps the secret each Submit was answered with and presents it to read or cancel that request;
+another process resuming a stream passes the secret itself.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -74,10 +80,12 @@ def submit_message(
     drafter: str | None = None,
     k: int | None = None,
     max_iterations: int | None = None,
+    owner: str = "",
 ) -> Submit:
     return Submit(
         prompt=prompt, messages=messages, chat=chat, params=params or SamplingParams(),
-        drafter=drafter, k=k, max_iterations=max_iterations,
+        drafter=drafter, k=k, max_iterations=max_iterations, owner=owner,
+        idempotency_key=uuid.uuid4().hex,
     )  # fmt: skip
 
 
@@ -93,10 +101,22 @@ def continuation(reply: Chunks, after: int) -> tuple[list[Chunk], int, Result | 
     return fresh, after, reply.done if complete else None
 
 
+class Secrets(dict[str, str]):
+    """The secrets of the requests this client submitted, by request id."""
+
+    def keep(self, submitted: Submitted) -> Submitted:
+        self[submitted.request_id] = submitted.secret
+        return submitted
+
+    def of(self, request_id: str, secret: str | None) -> str:
+        return self.get(request_id, "") if secret is None else secret
+
+
 class Client:
     def __init__(self, address: str, timeout: float = 30.0) -> None:
         self.address, self.timeout = address, timeout
         self.sock: pynng.Req0 | None = None
+        self.secrets = Secrets()
 
     def _connect(self) -> pynng.Req0:
         if self.sock is None:
@@ -132,12 +152,20 @@ class Client:
 
     def submit(self, prompt: str | None = None, **kwargs: Any) -> Submitted:
         """Keyword arguments as `submit_message` takes them."""
-        return self.call(submit_message(prompt, **kwargs))
+        return self.request(submit_message(prompt, **kwargs))
 
-    def chunks(self, request_id: str, after: int = -1, wait: float = 5.0) -> Iterator[Chunk | Result]:
+    def request(self, submit: Submit) -> Submitted:
+        """A Submit built elsewhere; retried safely (its idempotency key)."""
+        return self.secrets.keep(self.call(submit, retry=True))
+
+    def chunks(
+        self, request_id: str, after: int = -1, wait: float = 5.0, secret: str | None = None
+    ) -> Iterator[Chunk | Result]:
         """Chunks after `after`, as they come, then the final `Result`."""
+        secret = self.secrets.of(request_id, secret)
         while True:
-            reply: Chunks = self.call(Poll(request_id=request_id, after=after, wait=wait), retry=True)
+            poll = Poll(request_id=request_id, secret=secret, after=after, wait=wait)
+            reply: Chunks = self.call(poll, retry=True)
             fresh, after, done = continuation(reply, after)
             yield from fresh
             if done is not None:
@@ -151,8 +179,8 @@ class Client:
         assert isinstance(done, Result)
         return done
 
-    def cancel(self, request_id: str) -> None:
-        self.call(Cancel(request_id=request_id), retry=True)
+    def cancel(self, request_id: str, secret: str | None = None) -> None:
+        self.call(Cancel(request_id=request_id, secret=self.secrets.of(request_id, secret)), retry=True)
 
     def status(self) -> StatusReport:
         return self.call(StatusQuery(), retry=True)
@@ -188,6 +216,7 @@ class AsyncClient:
     def __init__(self, address: str, timeout: float = 30.0) -> None:
         self.address, self.timeout = address, timeout
         self.sock = _socket(address, timeout)
+        self.secrets = Secrets()
 
     def close(self) -> None:
         self.sock.close()
@@ -213,14 +242,19 @@ class AsyncClient:
 
     async def submit(self, prompt: str | None = None, **kwargs: Any) -> Submitted:
         """Keyword arguments as `submit_message` takes them."""
-        return await self.call(submit_message(prompt, **kwargs))
+        return await self.request(submit_message(prompt, **kwargs))
+
+    async def request(self, submit: Submit) -> Submitted:
+        """A Submit built elsewhere; retried safely (its idempotency key)."""
+        return self.secrets.keep(await self.call(submit, retry=True))
 
     async def chunks(
         self, request_id: str, after: int = -1, wait: float = 5.0
     ) -> AsyncIterator[Chunk | Result]:
         """Chunks after `after`, as they come, then the final `Result`."""
+        secret = self.secrets.of(request_id, None)
         while True:
-            poll = Poll(request_id=request_id, after=after, wait=wait)
+            poll = Poll(request_id=request_id, secret=secret, after=after, wait=wait)
             reply: Chunks = await self.call(poll, retry=True, timeout=self.timeout + wait)
             fresh, after, done = continuation(reply, after)
             for chunk in fresh:
@@ -230,7 +264,11 @@ class AsyncClient:
                 return
 
     async def cancel(self, request_id: str) -> None:
-        await self.call(Cancel(request_id=request_id), retry=True)
+        await self.call(Cancel(request_id=request_id, secret=self.secrets.of(request_id, None)), retry=True)
+
+    def forget(self, request_id: str) -> None:
+        """The request is over for this client: its secret is no longer needed."""
+        self.secrets.pop(request_id, None)
 
     async def status(self, timeout: float | None = None) -> StatusReport:
         return await self.call(StatusQuery(), retry=True, timeout=timeout)

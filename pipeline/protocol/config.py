@@ -42,6 +42,8 @@ class Run(Section):
     # Prompt rows per verify-lane forward; the rest waits for the next forward, so other requests'
     # steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
     prefill_chunk: int = 128
+    # The orchestrator's write-ahead journal: a restarted orchestrator resumes every request from it.
+    journal: str = "{run_dir}/journal.sqlite"
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_chunk <= 8192:
@@ -118,10 +120,15 @@ class Audit(Section):
     max_age_days: float = 30.0  # whole requests whose last event is older are deleted (0: keep forever)
     max_requests: int = 10000  # only the newest this many requests are kept (0: no limit)
     prune_seconds: float = 300.0  # how often the audit lane applies the two limits above
+    # Events the audit lane has not acknowledged yet, at most; past it new requests are refused
+    # ("overloaded") until it catches up. Nothing is dropped: the running requests' events wait.
+    max_pending: int = 20000
 
     def __post_init__(self) -> None:
         if self.max_age_days < 0 or self.max_requests < 0 or self.prune_seconds <= 0:
             raise ValueError("audit.max_age_days and max_requests must be >= 0, prune_seconds > 0")
+        if self.max_pending < 1:
+            raise ValueError(f"audit.max_pending must be >= 1, got {self.max_pending}")
 
 
 class Gateway(Section):

@@ -279,18 +279,25 @@ class Submit(Message, frozen=True, kw_only=True):
     k: int | None = None  # None: the configured policy
     max_iterations: int | None = None
     trace: dict[str, str] = {}  # the caller's W3C trace context: the request's trace joins it
+    # A client's random key: a Submit repeated with it (its reply was lost) gets the same request
+    # back instead of a second one, so a client may retry a Submit across an orchestrator restart.
+    idempotency_key: str = ""
+    owner: str = ""  # "gateway:<pid>": the gateway's requests, cancelled when that process dies
 
 
 class Poll(Message, frozen=True, kw_only=True):
-    """Chunks with seq > after; waits up to `wait` seconds for one if none is ready."""
+    """Chunks with seq > after; waits up to `wait` seconds for one if none is ready. `secret` is
+    the one `Submitted` handed out: a request is read and cancelled only by whoever submitted it."""
 
     request_id: str
+    secret: str = ""
     after: int = -1
     wait: float = 1.0
 
 
 class Cancel(Message, frozen=True, kw_only=True):
     request_id: str
+    secret: str = ""
 
 
 class StatusQuery(Message, frozen=True, kw_only=True):
@@ -300,6 +307,7 @@ class StatusQuery(Message, frozen=True, kw_only=True):
 class Submitted(Message, frozen=True, kw_only=True):
     request_id: str
     prompt_tokens: int
+    secret: str = ""  # what Poll and Cancel must present for this request
 
 
 class Chunk(msgspec.Struct, frozen=True, array_like=True):

@@ -3,13 +3,15 @@
 Each child gets a lifeline (a pipe on its stdin that only we hold) and its own session,
 so a terminal's Ctrl-C reaches only us and we shut the children down in order. A dead
 child is announced on the control lane (LaneDown, a lane_down fault) and restarted with
-exponential back-off; LaneUp follows. SIGINT/SIGTERM: SIGTERM every child, SIGKILL any
-still alive after the grace period. If we are killed outright the lifelines close and
-the children exit on their own.
+exponential back-off; LaneUp follows, and is repeated every few seconds for every running child,
+so an orchestrator that restarted learns every lane's pid and restart count again.
+SIGINT/SIGTERM: SIGTERM every child, SIGKILL any still alive after the grace period. If we
+are killed outright the lifelines close and the children exit on their own.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -31,6 +33,8 @@ from pipeline.protocol.transport import Outbox
 from pipeline.service.run_dir import PRIVATE_UMASK, RunLock
 
 log = logging.getLogger(__name__)
+REANNOUNCE_SECONDS = 2.0
+UNDELIVERED_KEPT = 256
 
 MODULES = {
     "orchestrator": "lanes.orchestrator",
@@ -46,6 +50,12 @@ class Supervisor:
         self.config = config
         self.run_dir = Path(config.run.dir)
         self.children: dict[str, trio.Process] = {}
+        self.restart_counts: dict[str, int] = {}
+        # What the control lane could not take (the orchestrator is down or restarting): delivered,
+        # in order, once it can. The orchestrator's own death reaches its successor this way.
+        self.undelivered: collections.deque[LaneUp | LaneDown | Fault | Shutdown] = collections.deque(
+            maxlen=UNDELIVERED_KEPT
+        )
         self.control = Outbox(config.addresses.control)
         self.telemetry = Telemetry.configure("supervisor", config.telemetry.dir, config.run_id())
         self.restarts = self.telemetry.meter.create_counter(
@@ -53,8 +63,15 @@ class Supervisor:
         )
 
     def announce(self, message: LaneUp | LaneDown | Fault | Shutdown) -> None:
-        if not self.control.put_nowait(message):
-            log.info("control lane not connected; %s not delivered", type(message).__name__)
+        self.undelivered.append(message)
+        self.deliver()
+
+    def deliver(self) -> None:
+        while self.undelivered:
+            if not self.control.put_nowait(self.undelivered[0]):
+                log.info("control lane not connected; %d messages wait", len(self.undelivered))
+                return
+            self.undelivered.popleft()
 
     async def keep_running(self, name: str, config_path: Path) -> None:
         restart = self.config.restart
@@ -66,7 +83,7 @@ class Supervisor:
             proc = await trio.lowlevel.open_process(
                 command, stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, start_new_session=True
             )
-            self.children[name] = proc
+            self.children[name], self.restart_counts[name] = proc, restarts
             started = time.monotonic()
             log.info("%s started (pid %d, restarts %d)", name, proc.pid, restarts)
             self.announce(LaneUp(lane=name, pid=proc.pid, restarts=restarts))
@@ -93,6 +110,18 @@ class Supervisor:
                 backoff = restart.initial_backoff
             await trio.sleep(backoff)
             backoff = min(backoff * 2, restart.max_backoff)
+
+    async def reannounce(self) -> None:
+        """LaneUp again for every running child: what the control lane said while the orchestrator
+        was down (restarting) is lost, and its restart history lives here."""
+        while True:
+            await trio.sleep(REANNOUNCE_SECONDS)
+            self.deliver()
+            if self.undelivered:
+                continue  # nobody is listening: the next round announces them
+            for name, proc in list(self.children.items()):
+                if proc.returncode is None:
+                    self.announce(LaneUp(lane=name, pid=proc.pid, restarts=self.restart_counts[name]))
 
     async def watch_heartbeat(self, name: str, proc: trio.Process, started: float) -> None:
         """Kill a lane whose alive file has gone stale since it first beat (SIGSTOP, a hung event
@@ -142,6 +171,7 @@ class Supervisor:
                 async with trio.open_nursery() as nursery:
                     for name in self.config.processes():
                         nursery.start_soon(self.keep_running, name, config_path)
+                    nursery.start_soon(self.reannounce)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
                         self.announce(Shutdown(reason=signal.Signals(signum).name))

@@ -1,0 +1,160 @@
+"""The orchestrator's write-ahead journal: what a restarted orchestrator needs to carry on
+every request it was serving, written before any of it reaches a client.
+
+Why a journal of its own and not the audit store: a chunk goes to its client as soon as its
+step is decided, while the audit lane makes that step durable later (through the outbox, its
+acks and its own restarts, possibly on another host). The audit store can therefore lag what
+a client has already seen, and a rebuild from it would repeat or contradict tokens. The
+journal is written in the same synchronous call that makes a step's chunk visible, so every
+chunk a client saw is in it. It also holds the audit outbox itself, so events the audit lane
+had not acknowledged survive the orchestrator too.
+
+SQLite in WAL mode with synchronous=NORMAL: a commit is a write() into the WAL file, which
+survives the process being killed (what this is for) at a few microseconds a step; a power
+cut may lose the last commits but never corrupts the file. A request's rows go when its
+retention ends, so the file stays the size of what is in flight or retained.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculation import Speculation
+
+KEPT_FAULTS = 200
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS opened (request_id TEXT PRIMARY KEY, record BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    request_id TEXT NOT NULL, step INTEGER NOT NULL, record BLOB NOT NULL, PRIMARY KEY (request_id, step)
+);
+CREATE TABLE IF NOT EXISTS results (request_id TEXT PRIMARY KEY, result BLOB NOT NULL, wall REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS outbox (event_id TEXT PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS faults (seq INTEGER PRIMARY KEY AUTOINCREMENT, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+"""
+
+
+class OpenedRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """An admitted request, as the hub made it."""
+
+    request_id: str
+    secret: str  # what poll, resume and cancel must present
+    owner: str = ""  # "gateway:<pid>" for the gateway's requests: freed when that process dies
+    idempotency_key: str = ""  # a repeated Submit with this key gets this request back
+    submitted: float  # wall clock
+    prompt_tokens: list[int]
+    params: SamplingParams
+    speculation: Speculation
+    seed: int
+    trace: dict[str, str] = {}
+
+
+class StepRecord(msgspec.Struct, array_like=True, frozen=True):
+    """What `Session` needs to replay one step: step 0 is the prefill's first token (its
+    `verify_seconds` is the prefill time). `draws` is the verifier's draw count after it."""
+
+    step: int
+    drafted: int
+    tokens: list[int]
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    draws: int
+    drafter: str = ""
+
+
+@dataclass
+class JournaledRequest:
+    opened: OpenedRecord
+    steps: list[StepRecord] = field(default_factory=list)
+    result: Result | None = None
+    finished_wall: float | None = None
+
+
+@dataclass
+class Recovered:
+    requests: list[JournaledRequest]
+    outbox: list[tuple[str, bytes]]
+    faults: list[bytes]
+    state: dict[str, bytes]
+
+
+class Journal:
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- requests ----------------------------------------------------------------------
+
+    def opened(self, record: OpenedRecord) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO opened VALUES (?, ?)", (record.request_id, self.encoder.encode(record))
+        )
+
+    def stepped(self, request_id: str, record: StepRecord) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO steps VALUES (?, ?, ?)",
+            (request_id, record.step, self.encoder.encode(record)),
+        )
+
+    def finished(self, request_id: str, result: Result, wall: float) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO results VALUES (?, ?, ?)", (request_id, self.encoder.encode(result), wall)
+        )
+
+    def forget(self, request_id: str) -> None:
+        with self.db:
+            for table in ("opened", "steps", "results"):
+                self.db.execute(f"DELETE FROM {table} WHERE request_id = ?", (request_id,))
+
+    # --- the audit outbox, faults and counters -----------------------------------------
+
+    def outbox_add(self, event_id: str, data: bytes) -> None:
+        self.db.execute("INSERT OR REPLACE INTO outbox VALUES (?, ?)", (event_id, data))
+
+    def outbox_ack(self, event_ids: list[str]) -> None:
+        self.db.executemany("DELETE FROM outbox WHERE event_id = ?", [(e,) for e in event_ids])
+
+    def fault(self, data: bytes) -> None:
+        with self.db:
+            self.db.execute("INSERT INTO faults (data) VALUES (?)", (data,))
+            self.db.execute(
+                "DELETE FROM faults WHERE seq <= (SELECT MAX(seq) FROM faults) - ?", (KEPT_FAULTS,)
+            )
+
+    def put_state(self, key: str, value: bytes) -> None:
+        self.db.execute("INSERT OR REPLACE INTO state VALUES (?, ?)", (key, value))
+
+    # --- recovery ----------------------------------------------------------------------
+
+    def recover(self) -> Recovered:
+        """Everything journaled, oldest request first."""
+        requests: dict[str, JournaledRequest] = {}
+        for request_id, blob in self.db.execute("SELECT request_id, record FROM opened ORDER BY rowid"):
+            requests[request_id] = JournaledRequest(msgspec.msgpack.decode(blob, type=OpenedRecord))
+        steps = self.db.execute("SELECT request_id, record FROM steps ORDER BY request_id, step")
+        for request_id, blob in steps:
+            if (journaled := requests.get(request_id)) is not None:
+                journaled.steps.append(msgspec.msgpack.decode(blob, type=StepRecord))
+        for request_id, blob, wall in self.db.execute("SELECT request_id, result, wall FROM results"):
+            if (journaled := requests.get(request_id)) is not None:
+                journaled.result, journaled.finished_wall = msgspec.msgpack.decode(blob, type=Result), wall
+        return Recovered(
+            requests=list(requests.values()),
+            outbox=[(e, bytes(d)) for e, d in self.db.execute("SELECT event_id, data FROM outbox")],
+            faults=[bytes(d) for (d,) in self.db.execute("SELECT data FROM faults ORDER BY seq")],
+            state={k: bytes(v) for k, v in self.db.execute("SELECT key, value FROM state")},
+        )
