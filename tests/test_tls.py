@@ -265,3 +265,12 @@ def test_start_checks_the_files_before_any_lane_runs(ours, tmp_path):
     with pytest.raises(TlsError, match=r"cannot read tls.key_file"):
         check_files(load_config(None, [*settings, f"tls.key_file={tmp_path}/absent.key"], environ={}))
     check_files(load_config(None, [], environ={}))  # ipc only: nothing to check
+
+
+def test_the_cli_refuses_to_connect_over_plain_tcp_off_loopback(capsys):
+    from pipeline.cli import main
+
+    assert main(["status", "--connect", "tcp://10.0.0.2:7100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speclanes: error: --connect = 'tcp://10.0.0.2:7100' is plain tcp://")
+    assert err.count("\n") == 1
