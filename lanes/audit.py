@@ -47,8 +47,8 @@ def trace_persisted(lane: LaneContext, events: list[AuditEvent], start_ns: int) 
 async def serve(lane: LaneContext) -> None:
     config = lane.config
     store = AuditStore(config.audit.path)
-    inbox: Inbox = Inbox(config.bind("audit"), AuditInbox)
-    acks = Outbox(config.addresses.data)
+    inbox: Inbox = Inbox(config.bind("audit"), AuditInbox, config.tls)
+    acks = Outbox(config.addresses.data, config.tls)
     lane.heartbeat()
     prune_at = retain(store, lane)
     while True:

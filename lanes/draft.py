@@ -24,8 +24,8 @@ async def serve(lane: LaneContext) -> None:
     draft_path, backend = config.model.draft_path, config.model.backend
     draft_model = load_model(draft_path, backend) if draft_path else None
     server = DraftServer(make_draft_sources(target, draft_model), target.cfg.vocab_size, lane)
-    inbox: Inbox = Inbox(config.bind("draft"), DraftInbox)
-    results = Outbox(config.addresses.data)
+    inbox: Inbox = Inbox(config.bind("draft"), DraftInbox, config.tls)
+    results = Outbox(config.addresses.data, config.tls)
     lane.heartbeat()
     async for msg in inbox:
         if isinstance(msg, BadMessage):

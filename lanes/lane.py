@@ -36,7 +36,7 @@ class LaneContext:
         self.name, self.config, self.pid = name, config, os.getpid()
         self.state = SpeculativeState()
         self.runtime: dict[str, Any] = {}  # set by a lane that holds a model (see model.backends)
-        self.control = Outbox(config.addresses.control)
+        self.control = Outbox(config.addresses.control, config.tls)
         self.telemetry = telemetry
 
     def fault(

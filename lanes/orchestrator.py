@@ -52,7 +52,7 @@ class OrchestratorLane:
         config = lane.config
         self.hub, self.config = hub, config
         self.outboxes = {
-            name: Outbox(getattr(config.addresses, name)) for name in ("verify", "draft", "audit")
+            name: Outbox(getattr(config.addresses, name), config.tls) for name in ("verify", "draft", "audit")
         }
         self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
         self.queued_for_verify = 0
@@ -166,9 +166,9 @@ class OrchestratorLane:
 
     async def run(self) -> None:
         config, hub = self.config, self.hub
-        data = Inbox(config.bind("data"), DataInbox)
-        control = Inbox(config.bind("control"), ControlInbox)
-        clients = listen(pynng.Rep0, config.bind("client"))
+        data = Inbox(config.bind("data"), DataInbox, config.tls)
+        control = Inbox(config.bind("control"), ControlInbox, config.tls)
+        clients = listen(pynng.Rep0, config.bind("client"), config.tls)
         self.dispatch(hub.recover(self.now()))  # what a previous orchestrator left in the journal
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.receive, data, hub.on_data)

@@ -24,8 +24,8 @@ async def serve(lane: LaneContext) -> None:
     model = load_model(config.model.path or default_model_path(), config.model.backend)
     lane.runtime = runtime_report(model)
     verifier = Verifier(model, lane, config.run.prefill_chunk)
-    inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox)
-    results = Outbox(config.addresses.data)
+    inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox, config.tls)
+    results = Outbox(config.addresses.data, config.tls)
     window = config.run.batch_window_seconds
     lane.heartbeat()  # tells the orchestrator we are ready
     while True:

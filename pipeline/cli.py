@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import msgspec
 
@@ -87,6 +88,21 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     _add_sampling_flags(stream)
 
 
+def _add_certs_command(sub: argparse._SubParsersAction) -> None:
+    certs = sub.add_parser("certs", help="certificates for mutual TLS between hosts (tls+tcp:// addresses)")
+    certs_sub = certs.add_subparsers(dest="certs", required=True)
+    make = certs_sub.add_parser(
+        "make", help="a CA (kept if DIR has one) and a certificate and key per host, into DIR"
+    )
+    make.add_argument("dir", metavar="DIR", help="where the files go (created 0700)")
+    make.add_argument(
+        "--hosts", required=True, help="comma-separated names or IP addresses, as peers dial them"
+    )
+    from pipeline.service.certs import DEFAULT_DAYS  # no cryptography import until a command runs
+
+    make.add_argument("--days", type=int, default=DEFAULT_DAYS, help="how long the certificates are valid")
+
+
 def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     """`with_benches=False` leaves the benchmarks' own flags out: importing them costs ~0.1 s."""
     parser = argparse.ArgumentParser(prog="speclanes", description=__doc__)
@@ -111,6 +127,7 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     from pipeline.audit.cli import add_parser as add_audit_parser
 
     add_audit_parser(sub, _add_config_flags)
+    _add_certs_command(sub)
     trace = sub.add_parser("trace", help="read the telemetry file export: list traces, or show one as a tree")
     _add_config_flags(trace)
     trace.add_argument("request", nargs="?", help="a request id or trace id (default: list the traces)")
@@ -250,13 +267,22 @@ def require_running(config) -> None:
         raise ValueError(f"no pipeline is running in {config.run.dir} (start one with `speclanes start`)")
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _client(args: argparse.Namespace, config, **kwargs: Any):
+    """The orchestrator's client socket (--connect, else the config's), with the config's [tls]:
+    a tls+tcp:// pipeline answers only a client that holds a certificate its CA signed."""
+    from pipeline.protocol import address
     from pipeline.protocol.client import Client
 
+    url = args.connect or config.addresses.client
+    address.check("--connect", url, tls_files=config.tls.configured(), insecure_tcp=config.tls.insecure_tcp)
+    return Client(url, tls=config.tls, **kwargs)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
     config = _config(args)
     if not args.connect:
         require_running(config)
-    report = Client(args.connect or config.addresses.client, timeout=5.0).status()
+    report = _client(args, config, timeout=5.0).status()
     if args.json:
         data = msgspec.to_builtins(report)
         for lane, status in zip(data["lanes"], report.lanes, strict=True):
@@ -282,7 +308,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stream(args: argparse.Namespace) -> int:
     from pipeline.decoding.result import Result
     from pipeline.model.prompts import load_messages
-    from pipeline.protocol.client import Client
 
     params = _sampling(args)
     speculation_args(args)  # checked here; the pipeline fills in what was left out
@@ -293,7 +318,7 @@ def cmd_stream(args: argparse.Namespace) -> int:
     config = _config(args)
     if not args.connect:
         require_running(config)
-    with Client(args.connect or config.addresses.client) as client:
+    with _client(args, config) as client:
         client.wait_ready(args.wait)
         submitted = client.submit(
             args.prompt, messages=messages, chat=args.chat, params=params,
@@ -351,6 +376,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from pipeline.service.certs import make
+
+    directory = Path(args.dir)
+    for path in make(directory, args.hosts.split(","), args.days):
+        print(path)
+    print(f"speclanes: copy {directory}/ca.pem and each host's HOST.pem and HOST.key to that host and")
+    print("name them in its [tls] ca_file, cert_file and key_file; ca.key stays here, with nobody else")
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from pipeline.audit import cli as audit_cli
 
@@ -372,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": cmd_status,
         "stream": cmd_stream,
         "audit": cmd_audit,
+        "certs": cmd_certs,
         "trace": cmd_trace,
     }
     try:

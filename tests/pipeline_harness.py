@@ -39,7 +39,7 @@ class Pipeline:
         self.proc, _ = launch(self.settings, env=self.env, timeout=timeout)
 
     def client(self, timeout: float = 30.0) -> Client:
-        return Client(self.config.addresses.client, timeout=timeout)
+        return Client(self.config.addresses.client, timeout=timeout, tls=self.config.tls)
 
     def status(self) -> StatusReport:
         with self.client(timeout=10.0) as c:

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import msgspec
 import pytest
 
-from pipeline.protocol.config import COMPONENTS, Config, ConfigError, default_run_dir, load_config
+from pipeline.protocol.config import COMPONENTS, Config, ConfigError, Tls, default_run_dir, load_config
 
 OPS = Path(__file__).resolve().parent.parent / "ops"
 NAMES = ("client", "control", "data", "verify", "draft", "audit")
@@ -64,7 +64,11 @@ def test_toml_file_values(tmp_path):
         k = 3
         k_max = 8
         [addresses]
-        verify = "tcp://gpu.example:7001"
+        verify = "tls+tcp://gpu.example:7001"
+        [tls]
+        ca_file = "/etc/speclanes/tls/ca.pem"
+        cert_file = "/etc/speclanes/tls/a.pem"
+        key_file = "/etc/speclanes/tls/a.key"
         [timeouts]
         draft = 0.25
         [audit]
@@ -75,7 +79,9 @@ def test_toml_file_values(tmp_path):
     assert config.run.components == ["verify"]
     assert config.run.heartbeat_seconds == 2.0
     assert (config.speculation.drafter, config.speculation.k, config.speculation.k_max) == ("ngram", 3, 8)
-    assert config.addresses.verify == "tcp://gpu.example:7001"
+    assert config.addresses.verify == "tls+tcp://gpu.example:7001"
+    assert config.tls.ca_file == "/etc/speclanes/tls/ca.pem"
+    assert config.tls.key_file == "/etc/speclanes/tls/a.key"
     assert config.addresses.draft.endswith("/draft.ipc")  # untouched keys keep their defaults
     assert config.timeouts.draft == 0.25 and config.timeouts.verify == 10.0
     assert config.audit.path == "/var/lib/speclanes/audit.sqlite"
@@ -103,17 +109,17 @@ def test_environment_overrides_the_file(tmp_path):
 def test_set_overrides_beat_the_environment(tmp_path):
     path = write(tmp_path, "[speculation]\nk = 2\n")
     env = {"SPECLANES_SPECULATION_K": "4", "SPECLANES_SPECULATION_DRAFTER": "ngram"}
-    config = load_config(path, ["speculation.k=6", "listen.verify = tcp://0.0.0.0:7001"], environ=env)
+    config = load_config(path, ["speculation.k=6", "listen.verify = tcp://127.0.0.1:7001"], environ=env)
     assert config.speculation.k == 6
     assert config.speculation.drafter == "ngram"
-    assert config.listen.verify == "tcp://0.0.0.0:7001"
+    assert config.listen.verify == "tcp://127.0.0.1:7001"
     # The last --set of a key wins.
     assert load_config(None, ["speculation.k=1", "speculation.k=7"], environ={}).speculation.k == 7
 
 
 def test_bind_prefers_the_listen_override():
-    config = load_config(None, ["listen.verify=tcp://0.0.0.0:7001"], environ={})
-    assert config.bind("verify") == "tcp://0.0.0.0:7001"
+    config = load_config(None, ["listen.verify=tcp://127.0.0.1:7001"], environ={})
+    assert config.bind("verify") == "tcp://127.0.0.1:7001"
     assert config.addresses.verify != config.bind("verify")
     assert config.bind("draft") == config.addresses.draft
     assert config.bind("draft").startswith("ipc://")
@@ -163,6 +169,76 @@ def test_missing_file_is_a_config_error(tmp_path):
     missing = tmp_path / "absent.toml"
     with pytest.raises(ConfigError, match=r"cannot read config .*absent\.toml: No such file"):
         load_config(missing, environ={})
+
+
+# --- which addresses are allowed: pipeline/protocol/address.py ------------------------------
+
+TLS_FILES = ["tls.ca_file=/c/ca.pem", "tls.cert_file=/c/h.pem", "tls.key_file=/c/h.key"]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "addresses.verify=tcp://gpu.example:7001",
+        "addresses.client=tcp://10.0.0.2:7100",
+        "addresses.data=tcp://[2001:db8::1]:7102",
+        "listen.verify=tcp://0.0.0.0:7001",  # every interface
+        "listen.verify=tcp://:7001",
+        "listen.audit=tcp4://192.168.1.5:7001",
+    ],
+)
+def test_plain_tcp_off_loopback_is_refused_unless_insecure_tcp(setting):
+    name, _, value = setting.partition("=")
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [setting], environ={})
+    message = str(caught.value)
+    assert "\n" not in message and name in message and value in message
+    assert "tls+tcp://" in message and "tls.insecure_tcp = true" in message
+    config = load_config(None, [setting, "tls.insecure_tcp=true"], environ={})
+    section, key = name.split(".")
+    assert getattr(getattr(config, section), key) == value
+    assert load_config(None, [setting], environ={"SPECLANES_TLS_INSECURE_TCP": "true"}).tls.insecure_tcp
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["tcp://127.0.0.1:7001", "tcp://127.8.9.10:7001", "tcp://localhost:7001", "tcp://LOCALHOST:7001",
+     "tcp://[::1]:7001", "tcp6://[::1]:7001"],
+)  # fmt: skip
+def test_plain_tcp_on_loopback_needs_no_setting(value):
+    config = load_config(None, [f"addresses.verify={value}", f"listen.draft={value}"], environ={})
+    assert config.addresses.verify == value and config.bind("draft") == value
+    assert not config.tls.insecure_tcp
+
+
+def test_tls_addresses_need_the_three_files():
+    setting = "addresses.verify=tls+tcp://gpu.example:7001"
+    for files in ([], TLS_FILES[:2], TLS_FILES[1:]):
+        with pytest.raises(
+            ConfigError, match=r"addresses\.verify = 'tls\+tcp://gpu\.example:7001' needs tls\."
+        ):
+            load_config(None, [setting, *files], environ={})
+    config = load_config(None, [setting, "listen.verify=tls+tcp://0.0.0.0:7001", *TLS_FILES], environ={})
+    assert config.bind("verify") == "tls+tcp://0.0.0.0:7001"  # TLS may bind every interface
+    assert (config.tls.ca_file, config.tls.cert_file, config.tls.key_file) == (
+        "/c/ca.pem",
+        "/c/h.pem",
+        "/c/h.key",
+    )
+
+
+@pytest.mark.parametrize("value", ["ws://host:80/x", "inproc://x", "verify.ipc", ""])
+def test_other_address_schemes_are_refused(value):
+    with pytest.raises(
+        ConfigError, match=r"addresses\.verify = .*use ipc://, tls\+tcp:// or \(loopback only\) tcp://"
+    ):
+        load_config(None, [f"addresses.verify={value}", "tls.insecure_tcp=true"], environ={})
+
+
+def test_ipc_addresses_are_unchanged_and_need_no_tls(tmp_path):
+    config = load_config(None, [f"addresses.verify=ipc://{tmp_path}/v.ipc"], environ={})
+    assert config.addresses.verify == f"ipc://{tmp_path}/v.ipc"
+    assert config.tls == Tls() and not config.tls.configured()
 
 
 @pytest.mark.parametrize(
@@ -216,7 +292,7 @@ def test_multihost_examples_split_the_components(hosts):
     assert sorted(a.run.components + b.run.components) == sorted(COMPONENTS)
 
 
-def test_multihost_examples_dial_the_same_tcp_addresses(hosts):
+def test_multihost_examples_dial_the_same_tls_addresses(hosts):
     a, b = hosts
     assert a.addresses == b.addresses
     owner = {"verify": "host-b.example"} | {
@@ -224,11 +300,19 @@ def test_multihost_examples_dial_the_same_tcp_addresses(hosts):
     }
     for name, host in owner.items():
         url = urlsplit(getattr(a.addresses, name))
-        assert (url.scheme, url.hostname) == ("tcp", host), name
+        assert (url.scheme, url.hostname) == ("tls+tcp", host), name
         assert url.port is not None
     ports = [urlsplit(getattr(a.addresses, name)).port for name in NAMES]
     assert len(set(ports)) == len(ports)
     assert a.model.path == b.model.path
+
+
+def test_multihost_examples_trust_one_ca_and_show_their_own_certificates(hosts):
+    a, b = hosts
+    assert a.tls.ca_file == b.tls.ca_file and not (a.tls.insecure_tcp or b.tls.insecure_tcp)
+    for config, host in ((a, "host-a.example"), (b, "host-b.example")):
+        assert Path(config.tls.cert_file).name == f"{host}.pem"  # as `speclanes certs make` names them
+        assert Path(config.tls.key_file).name == f"{host}.key"
 
 
 def test_multihost_examples_bind_what_each_host_serves(hosts):
@@ -242,8 +326,8 @@ def test_multihost_examples_bind_what_each_host_serves(hosts):
             bind = config.bind(name)
             if name in mine:
                 url = urlsplit(bind)
-                assert (url.scheme, url.hostname) == ("tcp", "0.0.0.0"), (name, bind)
+                assert (url.scheme, url.hostname) == ("tls+tcp", "0.0.0.0"), (name, bind)
                 assert url.port == urlsplit(getattr(config.addresses, name)).port
             else:
                 assert getattr(config.listen, name) == "", name
-    assert b.bind("verify") == "tcp://0.0.0.0:" + str(urlsplit(b.addresses.verify).port)
+    assert b.bind("verify") == "tls+tcp://0.0.0.0:" + str(urlsplit(b.addresses.verify).port)

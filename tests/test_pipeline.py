@@ -6,6 +6,7 @@ what it must survive); the supervisor tests start their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from functools import cache
 
 import msgspec
@@ -28,6 +30,7 @@ from pipeline.decoding.speculative import decode
 from pipeline.model import default_model_path
 from pipeline.model.prompts import prompt_tokens
 from pipeline.protocol.client import PipelineError
+from pipeline.protocol.config import load_config
 from pipeline.protocol.messages import (
     AuditAck,
     ClientReply,
@@ -37,10 +40,12 @@ from pipeline.protocol.messages import (
     Heartbeat,
     Open,
     SpeculativeState,
+    StatusQuery,
     Submit,
     Verify,
     encode,
 )
+from pipeline.protocol.transport import dial
 
 from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
 
@@ -390,41 +395,121 @@ def test_a_killed_supervisor_leaves_no_orphans(tmp_path) -> None:
     assert _wait_gone(children) == []
 
 
-def test_two_hosts_over_tcp(tmp_path) -> None:
-    """The multi-host layout on loopback: one supervisor runs the verify lane, another the rest."""
-    import socket
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    names = ("client", "control", "data", "verify", "draft", "audit")
-    shared = [f"addresses.{name}=tcp://127.0.0.1:{free_port()}" for name in names]
-    host_a = Pipeline(tmp_path / "a", [*shared, 'run.components=["orchestrator", "draft", "audit"]'])
-    host_b = Pipeline(tmp_path / "b", [*shared, 'run.components=["verify"]'])
-    params = SamplingParams(max_tokens=24)
+@contextlib.contextmanager
+def _two_hosts(
+    tmp_path, shared: list[str], only_a: list[str], only_b: list[str]
+) -> Iterator[tuple[Pipeline, Pipeline]]:
+    """The multi-host layout on loopback: host A's supervisor runs the orchestrator, draft and audit
+    lanes, host B's the verify lane; both started, neither waited for."""
+    host_a = Pipeline(tmp_path / "a", [*shared, *only_a, 'run.components=["orchestrator", "draft", "audit"]'])
+    host_b = Pipeline(tmp_path / "b", [*shared, *only_b, 'run.components=["verify"]'])
     try:
         for host in (host_a, host_b):
             command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in host.settings)]
             host.run_dir.mkdir(parents=True)
             log = (host.run_dir / "supervisor.log").open("ab")
             host.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        with host_a.client() as client:
-            client.wait_ready(90)
-            done = client.complete(CODE, chat=True, params=params, drafter="ngram")
-        assert done.tokens == _reference(CODE, params, "none", 0).tokens
-
-        # The lane's totals reach the orchestrator with its next heartbeat, not with the reply.
-        def verify_counted(report) -> bool:
-            verify = next(lane for lane in report.lanes if lane.name == "verify")
-            return verify.pid is not None and verify.totals.runs >= 1
-
-        host_a.wait_until(verify_counted, timeout=10, what="the verify lane's heartbeat to count the run")
-        assert not (host_a.run_dir / "verify.log").exists() and (host_b.run_dir / "verify.log").exists()
+        yield host_a, host_b
     finally:
         host_a.stop()
         host_b.stop()
+
+
+def _serves_across_hosts(host_a: Pipeline, host_b: Pipeline) -> None:
+    params = SamplingParams(max_tokens=24)
+    with host_a.client() as client:
+        client.wait_ready(90)
+        done = client.complete(CODE, chat=True, params=params, drafter="ngram")
+    assert done.tokens == _reference(CODE, params, "none", 0).tokens
+
+    # The lane's totals reach the orchestrator with its next heartbeat, not with the reply.
+    def verify_counted(report) -> bool:
+        verify = next(lane for lane in report.lanes if lane.name == "verify")
+        return verify.pid is not None and verify.totals.runs >= 1
+
+    host_a.wait_until(verify_counted, timeout=10, what="the verify lane's heartbeat to count the run")
+    assert not (host_a.run_dir / "verify.log").exists() and (host_b.run_dir / "verify.log").exists()
+
+
+def test_two_hosts_over_tcp(tmp_path) -> None:
+    """Plain tcp:// on loopback, which needs no [tls]."""
+    names = ("client", "control", "data", "verify", "draft", "audit")
+    shared = [f"addresses.{name}=tcp://127.0.0.1:{free_port()}" for name in names]
+    with _two_hosts(tmp_path, shared, [], []) as hosts:
+        _serves_across_hosts(*hosts)
+
+
+def test_two_hosts_over_mutual_tls(tmp_path) -> None:
+    """As the multi-host example runs: every address tls+tcp://, host A's certificate for 127.0.0.1,
+    host B's (the verify lane) for 127.0.0.2, one CA. A peer without a certificate from that CA gets
+    no status report from the client socket, and nothing it sends to a data inbox arrives."""
+    from pipeline.service.certs import host_files, make
+
+    make(tmp_path / "certs", ["127.0.0.1", "127.0.0.2"])
+    make(tmp_path / "other", ["127.0.0.1"])
+
+    def tls(directory: str, host: str) -> list[str]:
+        cert, key = host_files(tmp_path / directory, host)
+        return [
+            f"tls.ca_file={tmp_path / directory / 'ca.pem'}",
+            f"tls.cert_file={cert}",
+            f"tls.key_file={key}",
+        ]
+
+    names = ("client", "control", "data", "verify", "draft", "audit")
+    shared = [f"addresses.{n}=tls+tcp://127.0.0.{2 if n == 'verify' else 1}:{free_port()}" for n in names]
+    with _two_hosts(tmp_path, shared, tls("certs", "127.0.0.1"), tls("certs", "127.0.0.2")) as (
+        host_a,
+        host_b,
+    ):
+        _serves_across_hosts(host_a, host_b)
+        addresses = host_a.config.addresses
+        intruders = [
+            load_config(None, [*shared, *tls("other", "127.0.0.1")], environ={}).tls,  # another CA
+            pynng.TLSConfig(  # trusts the pipeline's CA, shows no certificate
+                pynng.TLSConfig.MODE_CLIENT, server_name="127.0.0.1", ca_files=[host_a.config.tls.ca_file],
+                auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED,
+            ),
+            None,  # plain tcp:// to the TLS port
+        ]  # fmt: skip
+        for intruder in intruders:
+            _refused(addresses, intruder)
+        assert not [f for f in host_a.status().faults if f.kind == "bad_request"]
+        # The control: the same garbage from a holder of the pipeline's certificate does arrive.
+        with dial(pynng.Push0, addresses.data, host_b.config.tls) as lane:
+            lane.send_timeout = 5000
+            lane.send(b"\xff" * 7)
+            time.sleep(0.2)  # let it go before the socket closes
+        host_a.wait_until(
+            lambda r: any(f.kind == "bad_request" and f.lane == "orchestrator" for f in r.faults),
+            timeout=10, what="the orchestrator to report the lane's garbage",
+        )  # fmt: skip
+
+
+def _refused(addresses, intruder) -> None:
+    """An intruder's status query gets no answer; its garbage for the data inbox never gets a pipe."""
+    from pipeline.protocol.config import Tls
+
+    def socket(kind, address: str):
+        if isinstance(intruder, Tls):
+            return dial(kind, address, intruder)
+        plain = address.replace("tls+tcp://", "tcp://") if intruder is None else address
+        sock = kind(tls_config=intruder) if intruder is not None else kind()
+        sock.dial(plain, block=False)
+        return sock
+
+    with socket(pynng.Req0, addresses.client) as client:
+        client.send_timeout = client.recv_timeout = 1500
+        with pytest.raises(pynng.Timeout):
+            client.send(encode(StatusQuery()))
+            client.recv()
+        assert not client.pipes
+    with socket(pynng.Push0, addresses.data) as push:
+        push.send_timeout = 1500
+        with contextlib.suppress(pynng.Timeout):
+            push.send(b"\xff" * 7)
+        time.sleep(0.3)
+        assert not push.pipes
 
 
 def test_the_readme_commands_start_stream_status_stop(tmp_path) -> None:

@@ -5,7 +5,8 @@ last chunk it saw and gets the rest exactly once.
 
 `Client` blocks; `AsyncClient` is the same protocol under trio (the HTTP gateway uses it):
 one socket, one Req0 context per call, so many requests share it concurrently. Both build
-their messages and read their replies with the same functions below.
+their messages and read their replies with the same functions below. A `tls+tcp://` pipeline
+answers only a client that shows a certificate its CA signed: pass the [tls] section as `tls`.
 
 Every call is retried across a restart of the orchestrator, Submit included: it carries a
 random idempotency key, so a Submit whose reply was lost gets the same request back. A client
@@ -25,6 +26,7 @@ import trio
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.protocol.config import Tls
 from pipeline.protocol.messages import (
     Cancel,
     Chunk,
@@ -40,6 +42,7 @@ from pipeline.protocol.messages import (
     Submitted,
     encode,
 )
+from pipeline.protocol.tls import socket_options
 
 
 class PipelineError(RuntimeError):
@@ -52,10 +55,11 @@ _codec: Codec[Any] = Codec(ClientReply)
 NETWORK_ERRORS = (pynng.Timeout, pynng.ConnectionReset, pynng.Closed)
 
 
-def _socket(address: str, timeout: float) -> pynng.Req0:
+def _socket(address: str, timeout: float, tls: Tls | None) -> pynng.Req0:
     ms = int(timeout * 1000)
     # resend_time=0: nng must never repeat a request on its own (a Submit is not idempotent).
-    sock = pynng.Req0(resend_time=0, recv_timeout=ms, send_timeout=ms, reconnect_time_min=100)
+    options = socket_options(address, tls, server=False)
+    sock = pynng.Req0(resend_time=0, recv_timeout=ms, send_timeout=ms, reconnect_time_min=100, **options)
     sock.dial(address, block=False)
     return sock
 
@@ -113,14 +117,14 @@ class Secrets(dict[str, str]):
 
 
 class Client:
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: str, timeout: float = 30.0, tls: Tls | None = None) -> None:
+        self.address, self.timeout, self.tls = address, timeout, tls
         self.sock: pynng.Req0 | None = None
         self.secrets = Secrets()
 
     def _connect(self) -> pynng.Req0:
         if self.sock is None:
-            self.sock = _socket(self.address, self.timeout)
+            self.sock = _socket(self.address, self.timeout, self.tls)
         return self.sock
 
     def close(self) -> None:
@@ -213,9 +217,9 @@ class AsyncClient:
     concurrent streams do not queue behind each other's long polls. Calls are bounded by
     trio timeouts (pynng's async calls ignore nng's) and honour trio cancellation."""
 
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
+    def __init__(self, address: str, timeout: float = 30.0, tls: Tls | None = None) -> None:
         self.address, self.timeout = address, timeout
-        self.sock = _socket(address, timeout)
+        self.sock = _socket(address, timeout, tls)
         self.secrets = Secrets()
 
     def close(self) -> None:

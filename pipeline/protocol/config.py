@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from pipeline.decoding.speculation import Speculation, SpeculationError
+from pipeline.protocol import address
 
 LANES = ("orchestrator", "verify", "draft", "audit")
 # Everything a supervisor can run: the lanes and the HTTP gateway.
@@ -68,7 +69,8 @@ class ModelSection(Section):
 
 
 class Addresses(Section):
-    """Where each inbox listens; senders dial the same string. nng URLs: ipc://PATH or tcp://HOST:PORT."""
+    """Where each inbox listens; senders dial the same string. nng URLs: ipc://PATH, tls+tcp://HOST:PORT
+    (mutual TLS, see [tls]) or tcp://HOST:PORT on loopback (see pipeline/protocol/address.py)."""
 
     client: str = "ipc://{run_dir}/client.ipc"
     control: str = "ipc://{run_dir}/control.ipc"
@@ -145,6 +147,22 @@ class Gateway(Section):
             raise ValueError(f"gateway.port must be 1..65535, got {self.port}")
 
 
+class Tls(Section):
+    """Mutual TLS on tls+tcp:// addresses (nng's TLS transport): every socket, listening or
+    dialing, shows this host's certificate and accepts only peers whose certificate the CA
+    signed. `speclanes certs make` writes all three files (pipeline/service/certs.py)."""
+
+    ca_file: str = ""  # the pipeline's own CA certificate (PEM): the only one trusted
+    cert_file: str = ""  # this host's certificate (PEM), signed by that CA
+    key_file: str = ""  # its private key (PEM, mode 0600)
+    # Allow plain tcp:// to hosts off loopback: no authentication, no encryption. Only for a network
+    # that is private by other means.
+    insecure_tcp: bool = False
+
+    def configured(self) -> bool:
+        return bool(self.ca_file and self.cert_file and self.key_file)
+
+
 class TelemetrySection(Section):
     """Where the default OTLP/JSON file export goes. Which exporters run, and where an
     OTLP collector is, follow the standard OTEL_* variables (see pipeline/observability/telemetry.py)."""
@@ -163,6 +181,15 @@ class Config(Section):
     audit: Audit = msgspec.field(default_factory=Audit)
     gateway: Gateway = msgspec.field(default_factory=Gateway)
     telemetry: TelemetrySection = msgspec.field(default_factory=TelemetrySection)
+    tls: Tls = msgspec.field(default_factory=Tls)
+
+    def __post_init__(self) -> None:
+        """Every address is one the pipeline may use (pipeline/protocol/address.py says which)."""
+        files, insecure = self.tls.configured(), self.tls.insecure_tcp
+        for section in ("addresses", "listen"):
+            for name in Addresses.__struct_fields__:
+                url = getattr(getattr(self, section), name)
+                address.check(f"{section}.{name}", url, tls_files=files, insecure_tcp=insecure)
 
     def bind(self, name: str) -> str:
         return getattr(self.listen, name) or getattr(self.addresses, name)

@@ -4,7 +4,8 @@ Receives and sends use non-blocking calls and, when nng says "try again", wait o
 socket's notification descriptor (`recv_fd`/`send_fd`, both polled for readability): half
 the round-trip of pynng's own async calls. That path ignores nng's timeouts, so callers
 bound waits with trio. Every inbox listens and every sender dials, so a restarted process
-comes back on the same address and its peers reconnect on their own.
+comes back on the same address and its peers reconnect on their own. On a tls+tcp:// address
+both ends authenticate with the [tls] certificates (pipeline/protocol/tls.py).
 
 Pull/Push for everything that must arrive (Pub/Sub drops silently). Req/Rep only for
 clients, whose polls are idempotent.
@@ -21,7 +22,9 @@ import msgspec
 import pynng
 import trio
 
+from pipeline.protocol.config import Tls
 from pipeline.protocol.messages import BadMessage, Codec, encode
+from pipeline.protocol.tls import socket_options
 
 T = TypeVar("T")
 
@@ -34,9 +37,9 @@ def _prepare(address: str) -> None:
         Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
 
 
-def listen(kind: type[pynng.Socket], address: str) -> pynng.Socket:
+def listen(kind: type[pynng.Socket], address: str, tls: Tls | None = None) -> pynng.Socket:
     _prepare(address)
-    sock = kind(**OPTIONS)
+    sock = kind(**OPTIONS, **socket_options(address, tls, server=True))
     try:
         sock.listen(address)
     except pynng.NNGException as exc:
@@ -45,8 +48,8 @@ def listen(kind: type[pynng.Socket], address: str) -> pynng.Socket:
     return sock
 
 
-def dial(kind: type[pynng.Socket], address: str) -> pynng.Socket:
-    sock = kind(**OPTIONS)
+def dial(kind: type[pynng.Socket], address: str, tls: Tls | None = None) -> pynng.Socket:
+    sock = kind(**OPTIONS, **socket_options(address, tls, server=False))
     sock.dial(address, block=False)  # connects (and reconnects) in the background
     return sock
 
@@ -87,8 +90,8 @@ class Inbox(Generic[T]):
     """A listening Pull socket that yields decoded messages, or BadMessage for garbage
     (so the owner reports it and carries on: bad bytes never end a loop)."""
 
-    def __init__(self, address: str, union: object) -> None:
-        self.sock = listen(pynng.Pull0, address)
+    def __init__(self, address: str, union: object, tls: Tls | None = None) -> None:
+        self.sock = listen(pynng.Pull0, address, tls)
         self.codec: Codec[T] = Codec(union)
 
     def decode(self, data: bytes) -> T | BadMessage:
@@ -119,9 +122,9 @@ class Outbox:
     """A dialing Push socket. `put` waits (bounded) for a connected peer; a message that
     cannot be handed over in time raises trio.TooSlowError for the caller to retry."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: Tls | None = None) -> None:
         self.address = address
-        self.sock = dial(pynng.Push0, address)
+        self.sock = dial(pynng.Push0, address, tls)
         self._lock = trio.Lock()
 
     async def put(self, message: msgspec.Struct, timeout: float = math.inf) -> None:

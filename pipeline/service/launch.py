@@ -61,7 +61,7 @@ def wait_ready(proc: subprocess.Popen[bytes], config: Config, log_path: Path, ti
             raise PipelineError("unavailable", why)
         return running_supervisor(Path(config.run.dir)) == proc.pid  # until it holds the lock: not ours
 
-    with Client(config.addresses.client, timeout=1.0) as client:
+    with Client(config.addresses.client, timeout=1.0, tls=config.tls) as client:
         client.wait_ready(timeout, ours=ours)
 
 

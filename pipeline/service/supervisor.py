@@ -29,6 +29,7 @@ from pipeline.model.store import load_prepared
 from pipeline.observability.telemetry import Telemetry
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import Fault, LaneDown, LaneUp, Shutdown
+from pipeline.protocol.tls import check_files
 from pipeline.protocol.transport import Outbox
 from pipeline.service.run_dir import PRIVATE_UMASK, RunLock
 
@@ -56,7 +57,7 @@ class Supervisor:
         self.undelivered: collections.deque[LaneUp | LaneDown | Fault | Shutdown] = collections.deque(
             maxlen=UNDELIVERED_KEPT
         )
-        self.control = Outbox(config.addresses.control)
+        self.control = Outbox(config.addresses.control, config.tls)
         self.telemetry = Telemetry.configure("supervisor", config.telemetry.dir, config.run_id())
         self.restarts = self.telemetry.meter.create_counter(
             "speclanes.lane.restarts", "{restart}", "Processes the supervisor restarted after they died"
@@ -187,6 +188,7 @@ def supervise(config: Config) -> None:
     """Lock the run directory before anything else; every process started from here keeps its
     files private (umask 077)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
+    check_files(config)  # a missing key fails `start` in one line, not every lane in a restart loop
     os.umask(PRIVATE_UMASK)
     lock = RunLock(Path(config.run.dir))
     lock.acquire()
