@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pipeline.api.body import read_body
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.openai import (
     DONE_EVENT,
@@ -160,7 +161,7 @@ class Gateway:
         return await self.generate(request, chat=True)
 
     async def generate(self, request: Request, chat: bool) -> Response:
-        req = decode_request(await request.body(), chat)
+        req = decode_request(await read_body(request, self.config.gateway.max_body_bytes), chat)
         submit = to_submit(req, self.model)
         # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
         trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
@@ -250,7 +251,7 @@ class Gateway:
 
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), exc.status)
+    return JSONResponse(exc.body(), exc.status, exc.headers)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

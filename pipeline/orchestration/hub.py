@@ -8,7 +8,12 @@ Collaborators, each passed in or built here with what it needs:
 - `RequestMachine`: one request's step protocol;
 - `LaneTable`: each lane's state as the control lane reports it;
 - `AuditOutbox`: audit events until the audit lane acknowledges them;
-- `RequestTracing`: traces and metrics.
+- `RequestTracing`: traces and metrics;
+- `AdmissionQueue`: which requests decode now and which wait their turn.
+
+A Submit is admitted in two steps: `admit` (the chat template and the tokenizer: pure, and slow
+for a long prompt, so the lane runs it off its event loop) and `open` (the request begins, or
+waits its turn). `submit` does both, for callers with no event loop to keep responsive.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import msgspec
 
 from pipeline.decoding.session import Session
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.orchestration.admission import admit
+from pipeline.orchestration.admission import Admitted, admit
+from pipeline.orchestration.admission_queue import AdmissionQueue
 from pipeline.orchestration.audit_outbox import AuditOutbox
 from pipeline.orchestration.effects import DraftLaneSlow, Effect, FirstToken, Raise, Record, Send, Stepped
 from pipeline.orchestration.front import ClientFront
@@ -75,20 +81,32 @@ class Hub:
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
         self.closing: str | None = None  # the supervisor is stopping the pipeline: admit nothing new
         self.next_resend = 0.0
+        self.queue = AdmissionQueue(config.admission)
 
     # --- clients ----------------------------------------------------------------------
 
     def submit(self, msg: Submit, now: float) -> tuple[Submitted | ErrorReply, list[Send]]:
-        if self.closing is not None:
-            return ErrorReply(
-                kind="unavailable", message=f"the pipeline is shutting down ({self.closing})"
-            ), []
-        admitted = admit(
+        admitted = self.refusal() or self.admit(msg)
+        if isinstance(admitted, ErrorReply):
+            return admitted, []
+        return self.open(msg, admitted, now)
+
+    def refusal(self) -> ErrorReply | None:
+        """Why no new request can be taken now (checked before the costly `admit`, and by `open`)."""
+        closing = f"the pipeline is shutting down ({self.closing})"
+        return ErrorReply(kind="unavailable", message=closing) if self.closing else self.queue.refusal()
+
+    def admit(self, msg: Submit) -> Admitted | ErrorReply:
+        """Tokenize and validate: reads only what never changes, so it may run in a worker thread."""
+        return admit(
             msg, self.config.speculation, self.tokenizer, self.context_length,
             has_draft_model=bool(self.config.model.draft_path),
         )  # fmt: skip
-        if isinstance(admitted, ErrorReply):
-            return admitted, []
+
+    def open(self, msg: Submit, admitted: Admitted, now: float) -> tuple[Submitted | ErrorReply, list[Send]]:
+        """The admitted request begins now, or waits its turn (traced as its `queue` span)."""
+        if (refused := self.refusal()) is not None:
+            return refused, []
         request_id, speculation = uuid.uuid4().hex, admitted.speculation
         trace = self.tracing.start(request_id, msg, admitted.seed, len(admitted.tokens), speculation)
         who = Identity(request_id, admitted.seed, speculation.drafter, trace, now, time.time())
@@ -104,7 +122,9 @@ class Hub:
             event_id=f"{request_id}:opened", request_id=request_id, time=who.submitted, settings=settings,
             prompt_tokens=admitted.tokens, trace=trace,
         )  # fmt: skip
-        sends = self._record(opened, now) + self._run(machine, machine.begin(now), now)
+        sends = self._record(opened, now)
+        if self.queue.enter(request_id):
+            sends += self._run(machine, machine.begin(now), now)
         return Submitted(request_id=request_id, prompt_tokens=len(admitted.tokens)), sends
 
     def cancel(self, request_id: str, now: float) -> tuple[Chunks | ErrorReply, list[Send]]:
@@ -116,8 +136,9 @@ class Hub:
 
     def status(self) -> StatusReport:
         return StatusReport(
-            lanes=self.lanes.statuses(), active_requests=len(self.front.running()),
-            audit_pending=len(self.outbox), totals=self.totals, faults=list(self.faults),
+            lanes=self.lanes.statuses(), active_requests=len(self.front.running()) - self.queue.depth,
+            queued_requests=self.queue.depth, audit_pending=len(self.outbox), totals=self.totals,
+            faults=list(self.faults),
         )  # fmt: skip
 
     # --- inboxes ----------------------------------------------------------------------
@@ -206,6 +227,9 @@ class Hub:
         tracked = self.front.requests.get(machine.id)
         if machine.result is not None and tracked is not None and tracked.finished_at is None:
             sends += self._finished(machine, now)
+            for waiting in self.queue.leave(machine.id):  # its place goes to the oldest waiting
+                if (next_machine := self.front.machine(waiting)) is not None:
+                    sends += self._run(next_machine, next_machine.begin(now), now)
         return sends
 
     def _finished(self, machine: RequestMachine, now: float) -> list[Send]:

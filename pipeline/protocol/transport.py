@@ -34,9 +34,13 @@ def _prepare(address: str) -> None:
         Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
 
 
-def listen(kind: type[pynng.Socket], address: str) -> pynng.Socket:
+def listen(
+    kind: type[pynng.Socket], address: str, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> pynng.Socket:
+    """`max_message_bytes`: nng closes the connection of a peer that sends a larger message, before
+    reading it (a Req peer with resend_time=0 gets ConnectionReset); the socket serves on."""
     _prepare(address)
-    sock = kind(**OPTIONS)
+    sock = kind(**(OPTIONS | {"recv_max_size": max_message_bytes}))
     try:
         sock.listen(address)
     except pynng.NNGException as exc:
