@@ -273,7 +273,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     t = report.totals
     print(
-        f"requests: {report.active_requests} active, {t.runs} finished; acceptance {t.acceptance:.2f}; "
+        f"requests: {report.active_requests} active, {report.queued_requests} queued, {t.runs} finished; "
+        f"acceptance {t.acceptance:.2f}; "
         f"audit events pending: {report.audit_pending}; faults: {len(report.faults)}"
     )
     return 0
@@ -293,7 +294,9 @@ def cmd_stream(args: argparse.Namespace) -> int:
     config = _config(args)
     if not args.connect:
         require_running(config)
-    with Client(args.connect or config.addresses.client) as client:
+    with Client(
+        args.connect or config.addresses.client, max_message_bytes=config.admission.max_message_bytes
+    ) as client:
         client.wait_ready(args.wait)
         submitted = client.submit(
             args.prompt, messages=messages, chat=args.chat, params=params,

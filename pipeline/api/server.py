@@ -93,7 +93,9 @@ class Gateway:
     def __init__(self, config: Config, totals: SpeculativeState | None = None) -> None:
         self.config, self.totals = config, totals  # the gateway lane's heartbeat totals, if any
         self.model = config.model_id()  # gateway.model, else the GGUF's file name without .gguf
-        self.client = AsyncClient(config.addresses.client, timeout=config.timeouts.send + 5.0)
+        self.client = AsyncClient(
+            config.addresses.client, config.timeouts.send + 5.0, config.admission.max_message_bytes
+        )
         self.generations: set[Generation] = set()
         self.ready_until = -math.inf
         self.created = int(time.time())
