@@ -135,6 +135,12 @@ class OrchestratorLane:
         """Tokenized off the event loop, then opened in it (the hub is not thread-safe)."""
         if (refused := self.hub.refusal()) is not None:  # spare the tokenizer a refused request
             return refused
+        # Each Submit waiting for a tokenizer thread holds its whole prompt: bound them as well, by as
+        # many as could be admitted at all.
+        waiting, limits = self.admitting.statistics().tasks_waiting, self.config.admission
+        if waiting >= limits.max_running + limits.max_queued:
+            message = f"{waiting} prompts are waiting to be tokenized; try again shortly"
+            return ErrorReply(kind="overloaded", message=message)
         admitted = await trio.to_thread.run_sync(self.hub.admit, msg, limiter=self.admitting)
         if isinstance(admitted, ErrorReply):
             return admitted

@@ -88,12 +88,13 @@ def test_a_long_prompt_is_tokenized_while_other_streams_go_on(pipeline: Pipeline
     running.cancel(pipeline)
     assert running.result().finish_reason == "cancelled"
     # The middle half of the time the orchestrator spent on the long prompt: had it tokenized in
-    # its event loop, no chunk could arrive then (only replies sent just before or just after).
+    # its event loop, no chunk could arrive then (only replies sent just before or just after). On an
+    # idle machine dozens arrive; on a loaded 2-core one (1 token/s was seen) a single one may.
     quarter = (ended - began) / 4
     assert quarter > 0.1, f"tokenizing took only {ended - began:.2f} s: the test shows nothing"
     during = [t for t in running.arrivals if began + quarter < t < ended - quarter]
     gaps = [b - a for a, b in zip(running.arrivals, running.arrivals[1:], strict=False)]
-    assert len(during) >= 2, f"{len(during)} chunks in {2 * quarter:.2f} s; longest gap {max(gaps):.2f} s"
+    assert len(during) >= 1, f"{len(during)} chunks in {2 * quarter:.2f} s; longest gap {max(gaps):.2f} s"
 
 
 def test_a_client_message_over_the_cap_costs_only_its_connection(pipeline: Pipeline):
