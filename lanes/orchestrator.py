@@ -4,7 +4,8 @@ Everything it receives (replies and acks on the data inbox, lane news on the con
 client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
 goes out on the lane's Push socket. Sends to the verify lane keep their order and never
 block the loop; a draft or audit send that cannot be handed over now is given back to the
-hub (that step decodes plainly; that event is re-sent later).
+hub (that step decodes plainly; that event is re-sent later). A Submit's prompt is tokenized in
+a worker thread (`Hub.admit`), so a long prompt delays only its own request, never the loop.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pipeline.protocol.transport import Inbox, Outbox, listen
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.05
+ADMITTING_THREADS = 2  # prompts tokenized at once; more Submits wait their turn (memory stays bounded)
 
 
 class OrchestratorLane:
@@ -58,6 +60,7 @@ class OrchestratorLane:
         self.queued_for_verify = 0
         self.wakeups: dict[str, trio.Event] = {}
         self.codec: Codec[Any] = Codec(ClientRequest)
+        self.admitting = trio.CapacityLimiter(ADMITTING_THREADS)
 
     def now(self) -> float:
         return trio.current_time()
@@ -119,14 +122,31 @@ class OrchestratorLane:
         except BadMessage as exc:
             return ErrorReply(kind="bad_request", message=str(exc))
         if isinstance(msg, Submit):
-            reply, sends = self.hub.submit(msg, self.now())
-        elif isinstance(msg, Cancel):
+            return await self.submit(msg)
+        if isinstance(msg, Cancel):
             reply, sends = self.hub.cancel(msg.request_id, msg.secret, self.now())
         elif isinstance(msg, Poll):
             return await self.poll(msg)
         else:
             assert isinstance(msg, StatusQuery)
             return self.hub.status()
+        self.dispatch(sends)
+        return reply
+
+    async def submit(self, msg: Submit) -> Message:
+        """Tokenized off the event loop, then opened in it (the hub is not thread-safe)."""
+        if (early := self.hub.early_answer(msg)) is not None:  # spare the tokenizer a repeat or refusal
+            return early
+        # Each Submit waiting for a tokenizer thread holds its whole prompt: bound them as well, by as
+        # many as could be admitted at all.
+        waiting, limits = self.admitting.statistics().tasks_waiting, self.config.admission
+        if waiting >= limits.max_running + limits.max_queued:
+            message = f"{waiting} prompts are waiting to be tokenized; try again shortly"
+            return ErrorReply(kind="overloaded", message=message)
+        admitted = await trio.to_thread.run_sync(self.hub.admit, msg, limiter=self.admitting)
+        if isinstance(admitted, ErrorReply):
+            return admitted
+        reply, sends = self.hub.open(msg, admitted, self.now())
         self.dispatch(sends)
         return reply
 
@@ -168,7 +188,7 @@ class OrchestratorLane:
         config, hub = self.config, self.hub
         data = Inbox(config.bind("data"), DataInbox, config.tls)
         control = Inbox(config.bind("control"), ControlInbox, config.tls)
-        clients = listen(pynng.Rep0, config.bind("client"), config.tls)
+        clients = listen(pynng.Rep0, config.bind("client"), config.tls, config.admission.max_message_bytes)
         self.dispatch(hub.recover(self.now()))  # what a previous orchestrator left in the journal
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.receive, data, hub.on_data)

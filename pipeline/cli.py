@@ -275,7 +275,7 @@ def _client(args: argparse.Namespace, config, **kwargs: Any):
 
     url = args.connect or config.addresses.client
     address.check("--connect", url, tls_files=config.tls.configured(), insecure_tcp=config.tls.insecure_tcp)
-    return Client(url, tls=config.tls, **kwargs)
+    return Client(url, tls=config.tls, max_message_bytes=config.admission.max_message_bytes, **kwargs)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -299,7 +299,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     t = report.totals
     print(
-        f"requests: {report.active_requests} active, {t.runs} finished; acceptance {t.acceptance:.2f}; "
+        f"requests: {report.active_requests} active, {report.queued_requests} queued, {t.runs} finished; "
+        f"acceptance {t.acceptance:.2f}; "
         f"audit events pending: {report.audit_pending}; faults: {len(report.faults)}"
     )
     return 0

@@ -159,6 +159,23 @@ def test_a_disabled_gateway_is_not_started_even_when_listed():
         load_config(None, ["gateway.port=0"], environ={})
 
 
+def test_admission_limits_and_the_body_cap_are_settings_with_checked_values():
+    config = load_config(None, ["admission.max_running=2", "admission.max_queued=0"], environ={})
+    assert (config.admission.max_running, config.admission.max_queued) == (2, 0)
+    defaults = load_config(None, environ={})
+    assert (defaults.admission.max_running, defaults.admission.max_queued) == (16, 64)
+    assert defaults.gateway.max_body_bytes == 1 << 20 < defaults.admission.max_message_bytes
+    for bad, problem in [
+        ("admission.max_running=0", "admission.max_running must be >= 1"),
+        ("admission.max_queued=-1", "max_queued >= 0"),
+        ("admission.max_message_bytes=100", "admission.max_message_bytes must be >= 4096"),
+        ("gateway.max_body_bytes=10", "gateway.max_body_bytes must be >= 1024"),
+        ("gateway.max_body_bytes=2097152", "must fit the orchestrator's"),  # as large as the socket's cap
+    ]:
+        with pytest.raises(ConfigError, match=problem):
+            load_config(None, [bad], environ={})
+
+
 def test_invalid_toml_is_a_config_error(tmp_path):
     path = write(tmp_path, "[speculation\nk = \n")
     with pytest.raises(ConfigError, match="not valid TOML"):

@@ -135,6 +135,55 @@ def test_without_an_orchestrator_requests_get_503_but_bad_ones_still_get_400_and
     assert_error(body, code="not_found")
 
 
+def _raw_post(url: str, head: bytes, body: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """Sends the request line and headers, then as much of `body` as the server takes before it
+    answers; returns the answer's status, headers and JSON body, read until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)
+        with contextlib.suppress(OSError):  # the server may answer and close before taking it all
+            sock.sendall(body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    header_text, _, payload = answer.partition(b"\r\n\r\n")
+    status_line, *lines = header_text.decode().split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, json.loads(payload)
+
+
+def test_a_body_over_the_cap_is_a_413_before_it_is_read(lone_gateway: str):
+    """Content-Length says 10 MB: refused from the headers alone (the body is never sent)."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10000000\r\n\r\n"
+    )
+    status, headers, body = _raw_post(lone_gateway, head, b"")
+    assert status == 413 and headers["connection"] == "close"
+    assert_error(body, type="invalid_request_error", code="request_too_large")
+    assert "10000000 bytes" in body["error"]["message"] and "1048576" in body["error"]["message"]
+
+
+def test_a_chunked_body_is_cut_off_once_it_passes_the_cap(lone_gateway: str):
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    piece = b"x" * 65536
+    chunks = (b"%x\r\n" % len(piece) + piece + b"\r\n") * 32 + b"0\r\n\r\n"  # 2 MiB
+    status, _, body = _raw_post(lone_gateway, head, chunks)
+    assert status == 413
+    assert_error(body, code="request_too_large")
+    assert "max_body_bytes" in body["error"]["message"]
+
+
+def test_a_body_under_the_cap_goes_on_to_the_pipeline(lone_gateway: str):
+    request = {"prompt": "x" * ((1 << 20) - 100), "max_tokens": 4}
+    status, body = fetch_json(f"{lone_gateway}/v1/completions", json.dumps(request).encode())
+    assert status == 503  # read whole, decoded, then the missing orchestrator answers
+    assert_error(body, code="pipeline_unavailable")
+
+
 def test_a_taken_port_is_reported_in_one_line(tmp_path: Path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -17,6 +17,7 @@ from pipeline.api.openai import (
     DONE_EVENT,
     ApiError,
     Formatter,
+    body_too_large,
     decode_request,
     event,
     failure,
@@ -173,6 +174,7 @@ def test_an_unknown_model_is_a_404():
         ("bad_request", 400, None),
         ("prompt_too_long", 400, "context_length_exceeded"),
         ("unavailable", 503, "pipeline_unavailable"),
+        ("overloaded", 429, "server_overloaded"),
         ("verification_failed", 500, "verification_failed"),
         ("internal", 500, "internal"),
     ],
@@ -184,6 +186,29 @@ def test_pipeline_errors_map_to_http_statuses(kind, status, code):
     assert set(body) == {"message", "type", "param", "code"}
     assert body["type"] == ("invalid_request_error" if status == 400 else "server_error")
     assert body["param"] == ("prompt" if status == 400 else None)
+
+
+def test_an_overloaded_pipeline_says_when_to_retry_and_a_large_body_closes_the_connection():
+    overloaded = pipeline_error("overloaded", "at capacity")
+    assert overloaded.status == 429 and overloaded.headers == {"Retry-After": "1"}
+    assert pipeline_error("bad_request", "no").headers is None
+    too_large = pipeline_error("too_large", "the request is 3000000 bytes")
+    assert (too_large.status, too_large.code) == (413, "request_too_large")
+    cut = body_too_large(1024, None)
+    assert (cut.status, cut.code, cut.headers) == (413, "request_too_large", {"Connection": "close"})
+    assert "limit of 1024 bytes" in cut.message and set(cut.body()["error"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_over_the_limit_is_a_400_naming_it(field):
+    error = rejected(chat(**{field: 2**31}))
+    assert (error.status, error.param) == (400, field) and "2147483647" in error.message
+    assert submit_of(chat(**{field: 2**31 - 1}), True).params.max_tokens == 2**31 - 1  # the context ends it
 
 
 def test_a_failed_or_cancelled_request_is_a_server_error():

@@ -17,8 +17,11 @@ from pipeline.model.prompts import prompt_tokens
 from pipeline.orchestration.front import unknown
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
+    BadMessage,
     Chunks,
+    ClientRequest,
     Close,
+    Codec,
     Drafted,
     DraftRequest,
     ErrorReply,
@@ -486,3 +489,120 @@ def test_a_dead_gateway_s_requests_are_cancelled_and_nobody_else_s(world):
     assert world.result(mine).finish_reason == "cancelled"
     assert world.result(other).finish_reason == "length"
     assert mine not in world.verifier.requests
+
+
+# --- admission: tokenizing apart from opening, the running cap and its queue -------------------
+
+
+def test_admit_is_pure_and_open_begins_what_it_admitted(world, model):
+    """The lane tokenizes in a worker thread (`admit`), then opens in its loop: admitting changes
+    nothing, and the opened request decodes exactly what `submit` would have."""
+    world.run()  # the lanes' first snapshots
+    msg, events = Submit(prompt=PROMPT, params=GREEDY), len(world.hub.ledger.outbox)
+    admitted = world.hub.admit(msg)
+    assert world.hub.admit(msg).tokens == admitted.tokens
+    assert not world.hub.front.requests and not world.telemetry.spans() and not world.in_flight
+    assert len(world.hub.ledger.outbox) == events and world.hub.status().queued_requests == 0
+    reply, sends = world.hub.open(msg, admitted, world.now)
+    world.feed(sends)
+    assert any(isinstance(s.message, Open) and s.message.tokens == admitted.tokens for s in sends)
+    assert finished(world, reply.request_id).tokens == reference(model, GREEDY).tokens
+
+
+def test_a_shutdown_while_a_prompt_is_tokenized_still_refuses_it(world):
+    msg = Submit(prompt=PROMPT, params=GREEDY)
+    admitted = world.hub.admit(msg)
+    world.feed(world.hub.on_control(Shutdown(reason="SIGTERM"), world.now))
+    reply, sends = world.hub.open(msg, admitted, world.now)
+    assert isinstance(reply, ErrorReply) and reply.kind == "unavailable" and sends == []
+
+
+def capped(model: Model, running: int, queued: int) -> World:
+    world = World(
+        model, msgspec.convert({"admission": {"max_running": running, "max_queued": queued}}, Config)
+    )
+    world.up()
+    return world
+
+
+def opened(world: World) -> list[str]:
+    """Request ids in the order their prompts went to the verify lane (first Open only)."""
+    ids = [s.message.request_id for s in [*world.sent, *world.in_flight] if isinstance(s.message, Open)]
+    return list(dict.fromkeys(ids))
+
+
+def test_beyond_max_running_requests_wait_and_begin_in_arrival_order(model):
+    world = capped(model, running=2, queued=3)
+    ids = [world.submit(PROMPT, params=GREEDY) for _ in range(5)]
+    assert opened(world) == ids[:2]  # the others are admitted, not begun
+    report = world.hub.status()
+    assert (report.active_requests, report.queued_requests) == (2, 3)
+    world.run()
+    assert opened(world) == ids  # each began as a place came free, oldest first
+    want = reference(model, GREEDY).tokens
+    assert all(world.result(i).tokens == want for i in ids)
+    report = world.hub.status()
+    assert (report.active_requests, report.queued_requests) == (0, 0)
+
+
+def test_beyond_max_queued_a_request_is_refused_as_overloaded_until_a_place_frees(model):
+    world = capped(model, running=1, queued=1)
+    first, second = world.submit(PROMPT, params=GREEDY), world.submit(PROMPT, params=GREEDY)
+    reply, sends = world.hub.submit(Submit(prompt=PROMPT, params=GREEDY), world.now)
+    assert isinstance(reply, ErrorReply) and reply.kind == "overloaded" and sends == []
+    assert "1 requests running, 1 waiting" in reply.message and "max_queued = 1" in reply.message
+    assert len(world.hub.front.requests) == 2  # the refused one left no trace in the hub
+    finished(world, first)
+    finished(world, second)
+    world.submit(PROMPT, params=GREEDY)  # room again
+
+
+def test_a_queued_request_can_be_cancelled_and_never_reaches_the_verify_lane(model):
+    world = capped(model, running=1, queued=2)
+    first, queued, last = (world.submit(PROMPT, params=GREEDY) for _ in range(3))
+    reply, _ = world.hub.cancel(queued, world.secrets[queued], world.now)
+    assert isinstance(reply, Chunks) and reply.done is not None and reply.done.finish_reason == "cancelled"
+    assert world.hub.status().queued_requests == 1
+    world.run()
+    assert opened(world) == [first, last]
+    assert world.result(first).finish_reason == world.result(last).finish_reason == "length"
+
+
+def test_a_queued_request_nobody_polls_is_cancelled_like_a_running_one(model):
+    world = capped(model, running=1, queued=1)
+    world.lost.add("verify")  # the running request makes no progress
+    running, queued = world.submit(PROMPT, params=GREEDY), world.submit(PROMPT, params=GREEDY)
+    world.run()
+    world.hub.front.poll_begins(running)  # its client is still there
+    world.tick(world.config.timeouts.client_idle + 1)
+    assert world.result(queued).finish_reason == "cancelled" and world.result(running) is None
+    assert world.hub.status().queued_requests == 0
+
+
+def test_the_queue_wait_is_the_request_s_queue_span(model):
+    world = capped(model, running=1, queued=1)
+    first, second = world.submit(PROMPT, params=GREEDY), world.submit(PROMPT, params=GREEDY)
+    world.run()
+    roots = {s.attributes["speclanes.request_id"]: s for s in world.telemetry.spans() if s.parent is None}
+    queues = {s.parent.span_id: s for s in world.telemetry.spans("queue")}
+    waited = queues[roots[second].context.span_id]
+    assert waited.start_time < roots[first].end_time <= waited.end_time  # it waited for the first to end
+    assert queues[roots[first].context.span_id].end_time < roots[first].end_time
+
+
+def test_max_tokens_beyond_the_context_ends_where_the_context_does(world, model):
+    request_id = world.submit(
+        PROMPT, params=SamplingParams(max_tokens=10**9, ignore_eos=True), drafter="ngram"
+    )
+    result = finished(world, request_id)
+    assert result.finish_reason == "length"
+    assert (
+        len(result.prompt_tokens) + len(result.tokens) == model.cfg.context_length + 1
+    )  # the last is not fed
+
+
+def test_max_tokens_over_the_limit_is_refused_on_the_client_socket_naming_it():
+    raw = msgspec.msgpack.encode({"type": "Submit", "prompt": "hi", "params": {"max_tokens": 2**31}})
+    with pytest.raises(BadMessage) as caught:
+        Codec(ClientRequest).decode(raw)
+    assert "max_tokens must be <= 2147483647" in str(caught.value)

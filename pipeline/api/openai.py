@@ -36,9 +36,11 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # HTTP headers the response carries (Retry-After, Connection)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -50,14 +52,32 @@ PIPELINE_ERRORS: dict[str, tuple[int, str, str | None]] = {
     "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded"),
     "unavailable": (503, "server_error", "pipeline_unavailable"),
     "unknown_request": (500, "server_error", "unknown_request"),
+    "overloaded": (429, "server_error", "server_overloaded"),  # admission.max_running + max_queued reached
+    "too_large": (413, "invalid_request_error", "request_too_large"),
 }
+# A refused request may be sent again this many seconds later (the Retry-After header of a 429): a
+# queued request's turn comes as soon as any running one ends.
+RETRY_AFTER_SECONDS = 1
 
 
 def pipeline_error(kind: str, message: str, param: str | None = None) -> ApiError:
     """An orchestrator error reply (or a request that failed in the pipeline) as an ApiError;
     kinds not listed (internal, verification_failed, ...) are 500 server errors."""
     status, type_, code = PIPELINE_ERRORS.get(kind, (500, "server_error", kind))
-    return ApiError(status, message, type=type_, code=code, param=param if status == 400 else None)
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else None
+    return ApiError(
+        status, message, type=type_, code=code, param=param if status == 400 else None, headers=headers
+    )
+
+
+def body_too_large(limit: int, size: int | None) -> ApiError:
+    """413 for a body over gateway.max_body_bytes; `size` None: it was cut off while being read.
+    The connection closes: the rest of the body is never read."""
+    told = f"of {size} bytes " if size is not None else ""
+    return ApiError(
+        413, f"the request body {told}is over this server's limit of {limit} bytes (gateway.max_body_bytes)",
+        code="request_too_large", headers={"Connection": "close"},
+    )  # fmt: skip
 
 
 # --- requests -------------------------------------------------------------------------

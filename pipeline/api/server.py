@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pipeline.api.body import read_body
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.openai import (
     DONE_EVENT,
@@ -94,7 +95,12 @@ class Gateway:
     def __init__(self, config: Config, totals: SpeculativeState | None = None) -> None:
         self.config, self.totals = config, totals  # the gateway lane's heartbeat totals, if any
         self.model = config.model_id()  # gateway.model, else the GGUF's file name without .gguf
-        self.client = AsyncClient(config.addresses.client, timeout=config.timeouts.send + 5.0, tls=config.tls)
+        self.client = AsyncClient(
+            config.addresses.client,
+            config.timeouts.send + 5.0,
+            config.tls,
+            config.admission.max_message_bytes,
+        )
         self.generations: set[Generation] = set()
         self.ready_until = -math.inf
         self.created = int(time.time())
@@ -162,7 +168,7 @@ class Gateway:
         return await self.generate(request, chat=True)
 
     async def generate(self, request: Request, chat: bool) -> Response:
-        req = decode_request(await request.body(), chat)
+        req = decode_request(await read_body(request, self.config.gateway.max_body_bytes), chat)
         submit = to_submit(req, self.model)
         # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
         trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
@@ -253,7 +259,7 @@ class Gateway:
 
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), exc.status)
+    return JSONResponse(exc.body(), exc.status, exc.headers)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

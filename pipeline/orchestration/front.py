@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pipeline.orchestration.request import RequestMachine
 from pipeline.protocol.config import Timeouts
-from pipeline.protocol.messages import Chunks, ErrorReply
+from pipeline.protocol.messages import Chunks, ErrorReply, Submitted
 
 
 @dataclass
@@ -33,9 +33,22 @@ class ClientFront:
     def __init__(self, timeouts: Timeouts) -> None:
         self.timeouts = timeouts
         self.requests: dict[str, Tracked] = {}
+        self.by_key: dict[str, str] = {}  # idempotency key -> request id
 
-    def add(self, machine: RequestMachine, now: float, secret: str, owner: str = "") -> None:
+    def add(self, machine: RequestMachine, now: float, secret: str, owner: str = "", key: str = "") -> None:
         self.requests[machine.id] = Tracked(machine, now, secret, owner)
+        if key:
+            self.by_key[key] = machine.id
+
+    def repeated(self, key: str) -> Submitted | None:
+        """The answer to a Submit repeated with this idempotency key (the first reply was lost)."""
+        tracked = self.requests.get(self.by_key.get(key, "")) if key else None
+        if tracked is None:
+            return None
+        machine = tracked.machine
+        return Submitted(
+            request_id=machine.id, prompt_tokens=len(machine.session.prompt_tokens), secret=tracked.secret
+        )
 
     def machine(self, request_id: str) -> RequestMachine | None:
         tracked = self.requests.get(request_id)
@@ -92,6 +105,8 @@ class ClientFront:
         ]
         for request_id in expired:
             del self.requests[request_id]
+        if expired:
+            self.by_key = {key: r for key, r in self.by_key.items() if r in self.requests}
         return expired
 
 

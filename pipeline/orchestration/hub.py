@@ -9,7 +9,12 @@ Collaborators, each passed in or built here with what it needs:
 - `LaneTable`: each lane's state as the control lane reports it;
 - `Ledger`: audit events until the audit lane acknowledges them, faults, totals, snapshots;
 - `RequestTracing`: traces and metrics;
+- `AdmissionQueue`: which requests decode now and which wait their turn;
 - `Journal`: the write-ahead record a restarted orchestrator recovers from (`recover`).
+
+A Submit is admitted in two steps: `admit` (the chat template and the tokenizer: pure, and slow
+for a long prompt, so the lane runs it off its event loop) and `open` (the request begins, or
+waits its turn). `submit` does both, for callers with no event loop to keep responsive.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import uuid
 
 import msgspec
 
+from pipeline.decoding.result import Result
 from pipeline.decoding.session import Session
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.orchestration.admission import admit
+from pipeline.orchestration.admission import Admitted, admit
+from pipeline.orchestration.admission_queue import AdmissionQueue
 from pipeline.orchestration.effects import (
     DraftLaneSlow,
     Effect,
@@ -77,27 +84,43 @@ class Hub:
         self.config, self.tokenizer, self.context_length = config, tokenizer, context_length
         self.tracing, self.lanes = tracing, lanes
         self.journal = journal or Journal()
-        self.by_key: dict[str, str] = {}  # idempotency key -> request id
         self.front = ClientFront(config.timeouts)
         self.ledger = Ledger(config.audit, lanes, self.journal)
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
         self.closing: str | None = None  # the supervisor is stopping the pipeline: admit nothing new
+        self.queue = AdmissionQueue(config.admission)
 
     # --- clients ----------------------------------------------------------------------
 
     def submit(self, msg: Submit, now: float) -> tuple[Submitted | ErrorReply, list[Send]]:
-        if msg.idempotency_key and (known := self.by_key.get(msg.idempotency_key)) is not None:
-            tracked = self.front.requests[known]  # the reply to the first Submit was lost: the same again
-            prompt = len(tracked.machine.session.prompt_tokens)
-            return Submitted(request_id=known, prompt_tokens=prompt, secret=tracked.secret), []
-        if (refusal := self._refusal()) is not None:
-            return refusal, []
-        admitted = admit(
+        admitted = self.early_answer(msg) or self.admit(msg)
+        if isinstance(admitted, Submitted | ErrorReply):
+            return admitted, []
+        return self.open(msg, admitted, now)
+
+    def early_answer(self, msg: Submit) -> Submitted | ErrorReply | None:
+        """The answer that needs no tokenizing, if there is one: the same request again for a
+        repeated idempotency key (the reply to the first Submit was lost), or why no new request
+        can be taken now (checked before the costly `admit`, and again by `open`)."""
+        if (repeat := self.front.repeated(msg.idempotency_key)) is not None:
+            return repeat
+        if self.closing:
+            return ErrorReply(kind="unavailable", message=f"the pipeline is shutting down ({self.closing})")
+        if (backlog := self.ledger.backlog()) is not None:
+            return ErrorReply(kind="overloaded", message=backlog)
+        return self.queue.refusal()
+
+    def admit(self, msg: Submit) -> Admitted | ErrorReply:
+        """Tokenize and validate: reads only what never changes, so it may run in a worker thread."""
+        return admit(
             msg, self.config.speculation, self.tokenizer, self.context_length,
             has_draft_model=bool(self.config.model.draft_path),
         )  # fmt: skip
-        if isinstance(admitted, ErrorReply):
-            return admitted, []
+
+    def open(self, msg: Submit, admitted: Admitted, now: float) -> tuple[Submitted | ErrorReply, list[Send]]:
+        """The admitted request begins now, or waits its turn (traced as its `queue` span)."""
+        if (early := self.early_answer(msg)) is not None:  # a repeat or a refusal that came meanwhile
+            return early, []
         request_id, speculation = uuid.uuid4().hex, admitted.speculation
         trace = self.tracing.start(request_id, msg, admitted.seed, len(admitted.tokens), speculation)
         record = OpenedRecord(
@@ -107,39 +130,25 @@ class Hub:
         )  # fmt: skip
         self.journal.opened(record)
         machine = self._track(record, now)
-        settings = {
-            "params": msgspec.to_builtins(msg.params), "drafter": speculation.drafter,
-            "k": speculation.fixed_k, "seed": admitted.seed,
-            "model": self.config.model.path, "draft_model": self.config.model.draft_path,  # "": the default
-        }  # fmt: skip
-        opened = RequestOpened(
-            event_id=f"{request_id}:opened", request_id=request_id, time=record.submitted, settings=settings,
-            prompt_tokens=admitted.tokens, trace=trace,
-        )  # fmt: skip
-        sends = self._record(opened, now) + self._run(machine, machine.begin(now), now)
+        opened = opened_event(record, self.config.model.path, self.config.model.draft_path)
+        sends = self._record(opened, now) + self._start(machine, now)
         submitted = Submitted(request_id=request_id, prompt_tokens=len(admitted.tokens), secret=record.secret)
         return submitted, sends
-
-    def _refusal(self) -> ErrorReply | None:
-        """Why no new request is admitted now, if so."""
-        if self.closing is not None:
-            return ErrorReply(kind="unavailable", message=f"the pipeline is shutting down ({self.closing})")
-        backlog = self.ledger.backlog()
-        return None if backlog is None else ErrorReply(kind="overloaded", message=backlog)
 
     def _track(self, record: OpenedRecord, now: float) -> RequestMachine:
         """A request machine for a journaled request, known to the client front."""
         started = now - max(time.time() - record.submitted, 0.0)  # on this process's clock
         drafter = record.speculation.drafter
         who = Identity(record.request_id, record.seed, drafter, record.trace, started, record.submitted)
-        session = Session(
-            self.tokenizer, self.context_length, record.prompt_tokens, record.params, record.speculation
-        )
+        tokens, params = record.prompt_tokens, record.params
+        session = Session(self.tokenizer, self.context_length, tokens, params, record.speculation)
         machine = RequestMachine(who, session, self.lanes, self.config.timeouts)
-        self.front.add(machine, now, record.secret, record.owner)
-        if record.idempotency_key:
-            self.by_key[record.idempotency_key] = record.request_id
+        self.front.add(machine, now, record.secret, record.owner, record.idempotency_key)
         return machine
+
+    def _start(self, machine: RequestMachine, now: float) -> list[Send]:
+        """Begin (or, recovered, carry on) now if a running place is free; else it waits its turn."""
+        return self._run(machine, machine.resume(now), now) if self.queue.enter(machine.id) else []
 
     def recover(self, now: float) -> list[Send]:
         """After a restart: every journaled request back as it was when its last step was decided,
@@ -151,11 +160,12 @@ class Hub:
         for request in journaled.requests:
             machine = self._track(request.opened, now)
             machine.replay(request.steps, request.result)
-            if request.result is not None:
+            if request.result is not None:  # only frees the lanes (again)
                 self.front.finished(machine.id, now)
-            else:
+                sends += self._run(machine, machine.resume(now), now)
+            else:  # in the order they first came: running ones first, waiting ones wait again
                 self.tracing.resumed(machine.id, request.opened.trace, len(request.steps))
-            sends += self._run(machine, machine.resume(now), now)
+                sends += self._start(machine, now)
         log.info("recovered %d requests (%d running)", len(journaled.requests), len(self.front.running()))
         return sends
 
@@ -168,8 +178,9 @@ class Hub:
 
     def status(self) -> StatusReport:
         return StatusReport(
-            lanes=self.lanes.statuses(), active_requests=len(self.front.running()),
-            audit_pending=len(self.ledger.outbox), totals=self.ledger.totals, faults=list(self.ledger.faults),
+            lanes=self.lanes.statuses(), active_requests=len(self.front.running()) - self.queue.depth,
+            queued_requests=self.queue.depth, audit_pending=len(self.ledger.outbox),
+            totals=self.ledger.totals, faults=list(self.ledger.faults),
         )  # fmt: skip
 
     # --- inboxes ----------------------------------------------------------------------
@@ -217,7 +228,6 @@ class Hub:
             sends += self._cancel(request_id, now)
         for request_id in self.front.forget_expired(now):
             self.journal.forget(request_id)
-        self.by_key = {key: r for key, r in self.by_key.items() if r in self.front.requests}
         for lane in self.lanes.stalled(now, self.config.restart.hang_seconds):
             message = f"no heartbeat for {self.config.restart.hang_seconds:g} s: not counted as up"
             sends += self._raise("timeout", lane, message, None, now)
@@ -258,6 +268,9 @@ class Hub:
         tracked = self.front.requests.get(machine.id)
         if machine.result is not None and tracked is not None and tracked.finished_at is None:
             sends += self._finished(machine, now)
+            for waiting in self.queue.leave(machine.id):  # its place goes to the oldest waiting
+                if (next_machine := self.front.machine(waiting)) is not None:
+                    sends += self._run(next_machine, next_machine.resume(now), now)
         return sends
 
     def _finished(self, machine: RequestMachine, now: float) -> list[Send]:
@@ -268,15 +281,8 @@ class Hub:
         self.tracing.end(result, now - machine.who.started)
         if result.error is not None:
             return []
-        stats = machine.session.stats
-        self.ledger.count_run(stats.drafted, stats.accepted)
-        summary = SpeculativeEvent(
-            event_id=f"{machine.id}:summary", request_id=machine.id, time=time.time(),
-            drafted=stats.drafted, accepted=stats.accepted, acceptance_rate=stats.acceptance_rate,
-            iterations=stats.steps, content_length=len(result.text), finish_reason=result.finish_reason,
-            stats=msgspec.to_builtins(result.stats), tokens=result.tokens,
-        )  # fmt: skip
-        return self._record(summary, now)
+        self.ledger.count_run(result.stats.drafted, result.stats.accepted)
+        return self._record(summary_event(result), now)
 
     def _record(self, event: AuditEvent, now: float) -> list[Send]:
         machine = self.front.machine(event.request_id)
@@ -314,3 +320,27 @@ class Hub:
     def _cancel(self, request_id: str, now: float) -> list[Send]:
         machine = self.front.machine(request_id)
         return [] if machine is None else self._run(machine, machine.cancel(now), now)
+
+
+def opened_event(record: OpenedRecord, model: str, draft_model: str) -> RequestOpened:
+    """The request's first audit event: what `audit verify` needs to re-run it."""
+    settings = {
+        "params": msgspec.to_builtins(record.params), "drafter": record.speculation.drafter,
+        "k": record.speculation.fixed_k, "seed": record.seed,
+        "model": model, "draft_model": draft_model,  # "": the default
+    }  # fmt: skip
+    return RequestOpened(
+        event_id=f"{record.request_id}:opened", request_id=record.request_id, time=record.submitted,
+        settings=settings, prompt_tokens=record.prompt_tokens, trace=record.trace,
+    )  # fmt: skip
+
+
+def summary_event(result: Result) -> SpeculativeEvent:
+    """The request's last audit event: its speculation figures and the output it was served."""
+    stats = result.stats
+    return SpeculativeEvent(
+        event_id=f"{result.request_id}:summary", request_id=result.request_id, time=time.time(),
+        drafted=stats.drafted, accepted=stats.accepted, acceptance_rate=stats.acceptance_rate,
+        iterations=stats.steps, content_length=len(result.text), finish_reason=result.finish_reason,
+        stats=msgspec.to_builtins(stats), tokens=result.tokens,
+    )  # fmt: skip

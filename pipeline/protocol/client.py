@@ -71,6 +71,19 @@ def _unwrap(data: bytes) -> Any:
     return reply
 
 
+def _sized(message: Message, limit: int | None) -> bytes:
+    """The encoded message, or a clear error when the orchestrator would refuse it for its size
+    (admission.max_message_bytes): nng would only drop the connection, saying nothing."""
+    data = encode(message)
+    if limit is not None and len(data) > limit:
+        raise PipelineError(
+            "too_large",
+            f"the request is {len(data)} bytes; the orchestrator takes at most {limit} "
+            "(admission.max_message_bytes)",
+        )
+    return data
+
+
 def _unavailable(address: str, exc: BaseException) -> PipelineError:
     return PipelineError("unavailable", f"no answer from {address}: {str(exc) or type(exc).__name__}")
 
@@ -117,8 +130,15 @@ class Secrets(dict[str, str]):
 
 
 class Client:
-    def __init__(self, address: str, timeout: float = 30.0, tls: Tls | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 30.0,
+        tls: Tls | None = None,
+        max_message_bytes: int | None = None,
+    ) -> None:
         self.address, self.timeout, self.tls = address, timeout, tls
+        self.max_message_bytes = max_message_bytes
         self.sock: pynng.Req0 | None = None
         self.secrets = Secrets()
 
@@ -140,11 +160,11 @@ class Client:
 
     def call(self, message: Message, *, retry: bool = False) -> Any:
         """One request/reply; with `retry` (idempotent calls only) reconnect and repeat until timeout."""
-        deadline = time.monotonic() + self.timeout
+        deadline, data = time.monotonic() + self.timeout, _sized(message, self.max_message_bytes)
         while True:
             sock = self._connect()
             try:
-                sock.send(encode(message))
+                sock.send(data)
                 data = sock.recv()
                 break
             except NETWORK_ERRORS as exc:
@@ -217,8 +237,14 @@ class AsyncClient:
     concurrent streams do not queue behind each other's long polls. Calls are bounded by
     trio timeouts (pynng's async calls ignore nng's) and honour trio cancellation."""
 
-    def __init__(self, address: str, timeout: float = 30.0, tls: Tls | None = None) -> None:
-        self.address, self.timeout = address, timeout
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 30.0,
+        tls: Tls | None = None,
+        max_message_bytes: int | None = None,
+    ) -> None:
+        self.address, self.timeout, self.max_message_bytes = address, timeout, max_message_bytes
         self.sock = _socket(address, timeout, tls)
         self.secrets = Secrets()
 
@@ -229,7 +255,7 @@ class AsyncClient:
         """One request/reply; with `retry` (idempotent calls only) repeat until the timeout."""
         timeout = self.timeout if timeout is None else timeout
         deadline = trio.current_time() + timeout
-        data = encode(message)
+        data = _sized(message, self.max_message_bytes)
         while True:
             ctx = self.sock.new_context()
             try:

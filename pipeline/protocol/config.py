@@ -21,6 +21,8 @@ from pipeline.protocol import address
 LANES = ("orchestrator", "verify", "draft", "audit")
 # Everything a supervisor can run: the lanes and the HTTP gateway.
 COMPONENTS = (*LANES, "gateway")
+# What a Submit adds to the JSON body it came from (field names, sampling settings, trace context).
+MESSAGE_OVERHEAD = 64 << 10
 
 
 def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -141,10 +143,35 @@ class Gateway(Section):
     port: int = 8000
     model: str = ""  # the model id clients name; "" means the target GGUF's file name without .gguf
     api_key_file: str = ""  # one API key per line; SPECLANES_API_KEY gives one more
+    # A larger request body is refused with 413 before it is read into memory (1 MiB: a prompt far
+    # longer than any context, so only abuse is refused).
+    max_body_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
             raise ValueError(f"gateway.port must be 1..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+class Admission(Section):
+    """How much work the orchestrator takes on (pipeline/orchestration/admission_queue.py)."""
+
+    max_running: int = 16  # requests decoding at once; more wait their turn, first come first served
+    max_queued: int = 64  # requests waiting their turn; one more is refused as overloaded (HTTP 429)
+    # The largest message the orchestrator's client socket takes; nng drops the connection of a client
+    # that sends a larger one before it is read. Keep it above gateway.max_body_bytes (a Submit
+    # encodes a JSON body in about as many bytes).
+    max_message_bytes: int = 2 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_queued < 0:
+            raise ValueError(
+                f"admission.max_running must be >= 1 and max_queued >= 0, got {self.max_running} "
+                f"and {self.max_queued}"
+            )
+        if self.max_message_bytes < 4096:
+            raise ValueError(f"admission.max_message_bytes must be >= 4096, got {self.max_message_bytes}")
 
 
 class Tls(Section):
@@ -182,14 +209,23 @@ class Config(Section):
     gateway: Gateway = msgspec.field(default_factory=Gateway)
     telemetry: TelemetrySection = msgspec.field(default_factory=TelemetrySection)
     tls: Tls = msgspec.field(default_factory=Tls)
+    admission: Admission = msgspec.field(default_factory=Admission)
 
     def __post_init__(self) -> None:
-        """Every address is one the pipeline may use (pipeline/protocol/address.py says which)."""
+        """Every address is one the pipeline may use (pipeline/protocol/address.py says which), and
+        the gateway's largest Submit fits the orchestrator's client socket."""
         files, insecure = self.tls.configured(), self.tls.insecure_tcp
         for section in ("addresses", "listen"):
             for name in Addresses.__struct_fields__:
                 url = getattr(getattr(self, section), name)
                 address.check(f"{section}.{name}", url, tls_files=files, insecure_tcp=insecure)
+        if self.gateway.max_body_bytes + MESSAGE_OVERHEAD > self.admission.max_message_bytes:
+            raise ValueError(
+                f"gateway.max_body_bytes ({self.gateway.max_body_bytes}) must leave "
+                f"{MESSAGE_OVERHEAD} bytes under admission.max_message_bytes "
+                f"({self.admission.max_message_bytes}): the gateway's Submits must fit the orchestrator's "
+                "client socket"
+            )
 
     def bind(self, name: str) -> str:
         return getattr(self.listen, name) or getattr(self.addresses, name)

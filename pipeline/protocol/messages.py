@@ -343,6 +343,7 @@ class StatusReport(Message, frozen=True, kw_only=True):
     audit_pending: int
     totals: SpeculativeState
     faults: list[Fault]
+    queued_requests: int = 0  # admitted, waiting for one of admission.max_running places
 
 
 VerifyInbox = Open | Verify | Close

@@ -37,9 +37,15 @@ def _prepare(address: str) -> None:
         Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
 
 
-def listen(kind: type[pynng.Socket], address: str, tls: Tls | None = None) -> pynng.Socket:
+def listen(
+    kind: type[pynng.Socket], address: str, tls: Tls | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> pynng.Socket:
+    """`max_message_bytes`: nng closes the connection of a peer that sends a larger message, before
+    reading it (a Req peer with resend_time=0 gets ConnectionReset); the socket serves on."""
     _prepare(address)
-    sock = kind(**OPTIONS, **socket_options(address, tls, server=True))
+    sock = kind(
+        **(OPTIONS | {"recv_max_size": max_message_bytes}), **socket_options(address, tls, server=True)
+    )
     try:
         sock.listen(address)
     except pynng.NNGException as exc:
