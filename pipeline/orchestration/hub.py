@@ -43,6 +43,7 @@ from pipeline.protocol.messages import (
     FaultEvent,
     FaultKind,
     LaneDown,
+    LaneFailed,
     LaneSnapshot,
     RequestOpened,
     Shutdown,
@@ -142,8 +143,8 @@ class Hub:
         change, lane = self.lanes.update(msg, now), self.lanes.views.get(msg.lane)
         if lane is None or change == "ignored":
             return []
-        if change == "went_down":
-            assert isinstance(msg, LaneDown)
+        if change in ("went_down", "failed"):
+            assert isinstance(msg, LaneDown | LaneFailed)
             return self._lane_down(msg, now)
         sends = self._snapshot(msg.lane, now)
         if change == "came_up":
@@ -255,16 +256,22 @@ class Hub:
         if request_id is not None:
             concerned = [request_id] if machine is not None else []
         else:
-            concerned = [m.id for m in self.front.running()] if kind == "lane_down" else []
+            concerned = [m.id for m in self.front.running()] if kind in ("lane_down", "lane_failed") else []
         self.tracing.fault(kind, lane, message, concerned, step=machine.step if machine else None)
         fault = Fault(kind=kind, lane=lane, message=message, request_id=request_id, time=time.time())
         return self._keep_fault(fault, now)
 
-    def _lane_down(self, msg: LaneDown, now: float) -> list[Send]:
-        message = f"pid {msg.pid} exited with {msg.returncode}; restarting"
-        sends = self._raise("lane_down", msg.lane, message, None, now)
+    def _lane_down(self, msg: LaneDown | LaneFailed, now: float) -> list[Send]:
+        """Down or failed, the running requests react alike (plain decoding without drafts, waiting
+        for a verify lane); only a lane that will restart opens restart spans for them to close."""
         running = self.front.running()
-        self.tracing.lane_down(msg, [m.id for m in running])
+        if isinstance(msg, LaneFailed):
+            message = f"pid {msg.pid} exited with {msg.returncode}, {msg.restarts} restarts: {msg.reason}"
+            sends = self._raise("lane_failed", msg.lane, message, None, now)
+        else:
+            message = f"pid {msg.pid} exited with {msg.returncode}; restarting"
+            sends = self._raise("lane_down", msg.lane, message, None, now)
+            self.tracing.lane_down(msg, [m.id for m in running])
         for machine in running:
             sends += self._run(machine, machine.lane_down(msg.lane, now), now)
         return sends
