@@ -79,7 +79,7 @@ def last_error(log_path: Path, since: int = 0) -> str:
         return "(no log)"
     lines = [line for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["(empty log)"])[-1].strip()
+    return (errors or lines or ["(empty log)"])[-1].strip().lstrip("| ")  # "| ": an exception group's frame
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
