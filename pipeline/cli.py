@@ -221,17 +221,30 @@ def cmd_start(args: argparse.Namespace) -> int:
     config = _config(args)
     check()  # an OTEL_* setting no process could honour fails here, not in a restart loop
     if not args.detach:
-        supervise(config)
-        return 0
+        failure = supervise(config)  # an essential lane failed: the pipeline stopped itself
+        if failure is not None:
+            print(f"speclanes: error: {failure}", file=sys.stderr)
+        return 0 if failure is None else 1
     proc, config = launch(args.set, config_path=args.config, timeout=args.wait)
     print(
         f"speclanes: pipeline up (supervisor pid {proc.pid}; logs in {config.run.dir}; "
         f"pid file {pid_path(Path(config.run.dir))})"
     )
+    _say_failed(config)
     if "gateway" in config.processes():
         url = f"http://{config.gateway.host}:{config.gateway.port}/v1"
         print(f"speclanes: OpenAI-compatible API at {url} (model {config.model_id()})")
     return 0
+
+
+def _say_failed(config) -> None:
+    """Up, but degraded: name each lane that failed on its way up, with its reason."""
+    from pipeline.protocol.client import Client
+
+    with Client(config.addresses.client, timeout=5.0) as client:
+        for lane in client.status().lanes:
+            if lane.state == "failed":
+                print(f"speclanes: degraded: the {lane.name} lane failed: {lane.reason}", file=sys.stderr)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -279,12 +292,15 @@ def _client(args: argparse.Namespace, config, **kwargs: Any):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from pipeline.api.health import judge
+
     config = _config(args)
     if not args.connect:
         require_running(config)
     report = _client(args, config, timeout=5.0).status()
+    health = judge(report.lanes)  # what the gateway's /health answers
     if args.json:
-        data = msgspec.to_builtins(report)
+        data = msgspec.to_builtins(report) | {"health": health.body()}
         for lane, status in zip(data["lanes"], report.lanes, strict=True):
             lane["totals"]["acceptance"] = status.totals.acceptance
         data["totals"]["acceptance"] = report.totals.acceptance
@@ -303,6 +319,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"acceptance {t.acceptance:.2f}; "
         f"audit events pending: {report.audit_pending}; faults: {len(report.faults)}"
     )
+    print(f"health: {health.reason() or 'ok'}")
     return 0
 
 

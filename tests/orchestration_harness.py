@@ -28,6 +28,7 @@ from pipeline.protocol.messages import (
     DraftInbox,
     Heartbeat,
     LaneDown,
+    LaneFailed,
     SpeculativeState,
     Submit,
     Submitted,
@@ -125,6 +126,12 @@ class World:
         if lane == "draft":
             self.drafts = DraftServer(make_draft_sources(self.model), self.model.cfg.vocab_size, FakeLane())
         self.feed(self.hub.on_control(LaneDown(lane=lane, pid=pid, returncode=-9, restarts=1), self.now))
+
+    def fail(self, lane: str, reason: str = "sqlite3.OperationalError: unable to open database file") -> None:
+        """The lane's process dies once more than the restart intensity allows: no other comes."""
+        self.beating.discard(lane)
+        failed = LaneFailed(lane=lane, pid=self.pids[lane], returncode=1, restarts=5, reason=reason)
+        self.feed(self.hub.on_control(failed, self.now))
 
     # --- moving messages --------------------------------------------------------------------
 

@@ -268,6 +268,8 @@ def test_ipc_addresses_are_unchanged_and_need_no_tls(tmp_path):
         (["speculation.k=99"], {}, "speculation.k must be 0..32"),
         ([], {"SPECLANES_SPECULATION_DRAFTER": "magic"}, "'magic'"),
         ([], {"SPECLANES_SPECULATION_K": "33"}, "speculation.k must be 0..32"),
+        (["restart.max_restarts=-1"], {}, "restart.max_restarts must be >= 0"),
+        (["restart.within_seconds=0"], {}, "within_seconds > 0"),
     ],
 )
 def test_invalid_overrides_are_a_config_error(overrides, environ, problem):

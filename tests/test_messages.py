@@ -36,6 +36,7 @@ from pipeline.protocol.messages import (
     FaultEvent,
     Heartbeat,
     LaneDown,
+    LaneFailed,
     LaneSnapshot,
     LaneStatus,
     LaneUp,
@@ -242,6 +243,9 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     Fault: faults,
     LaneUp: st.builds(LaneUp, lane=text, pid=small, restarts=small),
     LaneDown: st.builds(LaneDown, lane=text, pid=small, returncode=st.none() | i64, restarts=small),
+    LaneFailed: st.builds(
+        LaneFailed, lane=text, pid=small, returncode=st.none() | i64, restarts=small, reason=text
+    ),
     Heartbeat: st.builds(Heartbeat, lane=text, pid=small, state=states),
     Shutdown: st.builds(Shutdown, reason=text),
     Submit: st.builds(
@@ -271,11 +275,12 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
             st.builds(
                 LaneStatus,
                 name=text,
-                state=st.sampled_from(["starting", "up", "down"]),
+                state=st.sampled_from(["starting", "up", "stalled", "down", "failed"]),
                 pid=st.none() | small,
                 restarts=small,
                 active_requests=small,
                 totals=states,
+                reason=text,
             ),
             max_size=4,
         ),
@@ -294,7 +299,7 @@ def union_messages(union: object) -> st.SearchStrategy:
 def test_every_union_member_has_a_strategy():
     every = {kind for union in UNIONS.values() for kind in members(union)}
     assert every == set(STRATEGIES)
-    assert len(every) == 27  # Close goes to the verify and the draft lane
+    assert len(every) == 28  # Close goes to the verify and the draft lane
 
 
 # --- round trips ----------------------------------------------------------------------

@@ -110,6 +110,41 @@ def test_a_draft_lane_that_dies_turns_steps_into_plain_decoding(world, model):
     assert not any(isinstance(s.message, DraftRequest) for s in world.sent[len(world.sent) - 10 :])
 
 
+def test_a_failed_draft_lane_leaves_plain_decoding_and_says_why_once(world, model):
+    request_id = world.submit(PROMPT, params=SEEDED, drafter="ngram", k=4)
+    world.run(until=6)
+    world.fail("draft", "OSError: no such drafter file")
+    world.fail("draft", "OSError: no such drafter file")  # announced again: nothing new happens
+    assert finished(world, request_id).tokens == reference(model, SEEDED, "none").tokens
+    draft = next(lane for lane in world.hub.status().lanes if lane.name == "draft")
+    assert (draft.state, draft.reason) == ("failed", "OSError: no such drafter file")
+    assert world.faults("lane_failed") == ["draft"] and world.faults("lane_down") == []
+    fault = next(f for f in world.hub.ledger.faults if f.kind == "lane_failed")
+    assert (
+        fault.message == f"pid {world.pids['draft']} exited with 1, 5 restarts: OSError: no such drafter file"
+    )
+    sent = len(world.sent)
+    second = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    world.tick(1.0)
+    assert finished(world, second).tokens == reference(model, GREEDY).tokens
+    assert not any(isinstance(s.message, DraftRequest) for s in world.sent[sent:])
+
+
+def test_a_failed_audit_lane_leaves_its_events_in_the_outbox_and_requests_serving(world, model):
+    world.run()  # what was sent before the failure
+    world.fail("audit")
+    before, sent = len(world.hub.ledger.outbox), len(world.sent)
+    request_id = world.submit(PROMPT, params=GREEDY)
+    world.tick(world.config.audit.resend_after + 0.1)
+    assert finished(world, request_id).tokens == reference(model, GREEDY).tokens
+    world.tick(world.config.audit.resend_after + 0.1)
+    world.run()
+    report = world.hub.status()
+    assert report.audit_pending == len(world.hub.ledger.outbox) > before  # held, never sent to a failed lane
+    assert not any(s.lane == "audit" for s in world.sent[sent:])
+    assert world.faults("lane_failed") == ["audit"]
+
+
 def test_a_draft_that_times_out_is_skipped_until_the_lane_beats_again(world, model):
     world.lost.add("draft")
     request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)

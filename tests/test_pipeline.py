@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from pipeline.decoding.speculative import decode
 from pipeline.model import default_model_path
 from pipeline.model.prompts import prompt_tokens
 from pipeline.protocol.client import PipelineError
-from pipeline.protocol.config import load_config
+from pipeline.protocol.config import Restart, load_config
 from pipeline.protocol.messages import (
     AuditAck,
     ClientReply,
@@ -576,16 +577,25 @@ def test_a_second_start_on_the_run_directory_fails_at_once_and_leaves_the_first_
     assert pipeline.proc.poll() is None
 
 
-def test_a_stopped_lane_is_noticed_killed_and_replaced_and_the_stream_is_unchanged(tmp_path) -> None:
-    """SIGSTOP the verify lane mid-stream: within restart.hang_seconds `status` stops calling it up,
-    the supervisor kills and restarts it, the request is re-primed and ends as an undisturbed run."""
-    hang = 2.0
+# The lane, and a request that keeps it busy: drafts at every step for the draft lane.
+STOPPED_LANES = [("verify", "none", 0), ("draft", "ngram", 4), ("audit", "none", 0)]
+
+
+@pytest.mark.parametrize("hang", [2.0, None], ids=["hang2s", "hang-default"])
+@pytest.mark.parametrize(("lane", "drafter", "k"), STOPPED_LANES, ids=[lane for lane, _, _ in STOPPED_LANES])
+def test_a_stopped_lane_is_noticed_killed_and_replaced_and_the_stream_is_unchanged(
+    tmp_path, lane: str, drafter: str, k: int, hang: float | None
+) -> None:
+    """SIGSTOP a lane mid-stream, stopped for good: within restart.hang_seconds (2 s, and the default
+    5 s) `status` stops calling it up, the supervisor kills and restarts it, the request ends as an
+    undisturbed run (re-primed for verify, plain steps for draft, events re-sent for audit) and its
+    audit trail holds every step once."""
+    settings_ = ["gateway.enabled=false", *([f"restart.hang_seconds={hang}"] if hang else [])]
+    hang = hang or Restart().hang_seconds
     params = SamplingParams(max_tokens=160, ignore_eos=True)
     ref = _reference(STORY, params, "none", 0)
-    with running_pipeline(
-        tmp_path / "run", [f"restart.hang_seconds={hang}", "gateway.enabled=false"]
-    ) as pipe:
-        stopped = pipe.lane("verify").pid
+    with running_pipeline(tmp_path / "run", settings_) as pipe:
+        stopped = pipe.lane(lane).pid
         assert stopped is not None
         emitted, marks = [0], {}
 
@@ -597,15 +607,15 @@ def test_a_stopped_lane_is_noticed_killed_and_replaced_and_the_stream_is_unchang
                 time.sleep(0.01)
             os.kill(stopped, signal.SIGSTOP)
             marks["stopped"] = time.monotonic()
-            pipe.wait_until(lambda r: next(x for x in r.lanes if x.name == "verify").state != "up", 30)
+            pipe.wait_until(lambda r: next(x for x in r.lanes if x.name == lane).state != "up", 30)
             marks["noticed"] = time.monotonic()
-            pipe.wait_lane_up("verify", stopped, 60)
+            pipe.wait_lane_up(lane, stopped, 60)
             marks["replaced"] = time.monotonic()
 
         thread = threading.Thread(target=stopper, daemon=True)
         thread.start()
         with pipe.client(timeout=120) as client:
-            request_id = client.submit(STORY, chat=True, params=params, drafter="none", k=0).request_id
+            request_id = client.submit(STORY, chat=True, params=params, drafter=drafter, k=k).request_id
             chunks, done = read_stream(client, request_id, on_chunk=count)
         thread.join(60)
         assert done.error is None and done.tokens == ref.tokens
@@ -613,9 +623,92 @@ def test_a_stopped_lane_is_noticed_killed_and_replaced_and_the_stream_is_unchang
         assert marks["noticed"] - marks["stopped"] < hang + 2.0, marks
         assert marks["replaced"] - marks["stopped"] < hang + 30.0, marks
         assert not alive(stopped)
-        faults = [f for f in pipe.status().faults if f.lane == "verify"]
+        faults = [f for f in pipe.status().faults if f.lane == lane]
         assert {"timeout", "lane_down"} <= {f.kind for f in faults}
+        pipe.wait_until(lambda r: r.audit_pending == 0, what="the audit outbox to empty")
+        steps = [step for _, step, kind in pipe.audit_rows(request_id) if kind == "StepEvent"]
+        assert steps == list(range(done.stats.steps + 1))  # every step once, the prefill as step 0
         print(
-            f"SIGSTOP verify: noticed after {marks['noticed'] - marks['stopped']:.2f} s, "
+            f"SIGSTOP {lane}: noticed after {marks['noticed'] - marks['stopped']:.2f} s, "
             f"replaced after {marks['replaced'] - marks['stopped']:.2f} s (restart.hang_seconds={hang})"
         )
+
+
+# A lane that dies at every start: restart.max_restarts small, back-off short, so it fails in seconds.
+CRASH_LOOP = ["restart.max_restarts=3", "restart.initial_backoff=0.05", "restart.max_backoff=0.2"]
+DEV_NULL = "FileExistsError: [Errno 17] File exists: '/dev/null'"  # what a lane says of a path under it
+
+
+def test_a_crash_looping_audit_lane_is_failed_and_the_rest_serves_degraded(tmp_path) -> None:
+    """audit.path under /dev/null: after restart.max_restarts restarts the audit lane is failed and
+    never started again; `start --detach`, `status` and /health say why; requests are still served,
+    their events held by the orchestrator; `stop` stops it all as usual."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    pipe = Pipeline(tmp_path / "run", ["audit.path=/dev/null/x", *CRASH_LOOP])
+    settings = [f"--set={s}" for s in pipe.settings]
+
+    def speclanes(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "pipeline.cli", *args, *settings]
+        return subprocess.run(command, capture_output=True, text=True, timeout=180)
+
+    started = speclanes("start", "--detach")
+    assert started.returncode == 0, started.stderr
+    try:
+        assert f"speclanes: degraded: the audit lane failed: {DEV_NULL}" in started.stderr
+        audit = pipe.lane("audit")
+        assert (audit.state, audit.restarts, audit.reason) == ("failed", 3, DEV_NULL)
+        params = SamplingParams(max_tokens=24)
+        with pipe.client() as client:
+            done = client.complete(CODE, chat=True, params=params, drafter="ngram")
+        assert done.error is None and done.tokens == _reference(CODE, params, "none", 0).tokens
+        time.sleep(2.5)  # the supervisor announces the failure again (every 2 s): nothing changes
+        report = pipe.status()
+        assert report.audit_pending > 0  # held in the orchestrator: no audit lane takes them
+        failed = [f for f in report.faults if f.kind == "lane_failed"]
+        assert [f.lane for f in failed] == ["audit"] and failed[0].message.endswith(DEV_NULL)
+        log = (pipe.run_dir / "supervisor.log").read_text()
+        assert log.count("audit started (pid") == 4  # the first start and 3 restarts, no more
+        try:
+            urllib.request.urlopen(f"{pipe.gateway_url}/health", timeout=10)
+            raise AssertionError("/health answered 200 with a failed lane")
+        except urllib.error.HTTPError as error:
+            status, body = error.code, json.loads(error.read())
+        assert status == 503 and body["failed"] == {"audit": DEV_NULL}
+        assert body["reason"] == f"the audit lane failed: {DEV_NULL}"
+        shown = json.loads(speclanes("status", "--json").stdout)
+        assert shown["health"] == {
+            "status": "unavailable",
+            "reason": body["reason"],
+            "failed": body["failed"],
+        }
+        assert {lane["name"]: lane["state"] for lane in shown["lanes"]} == {
+            "verify": "up", "draft": "up", "audit": "failed", "orchestrator": "up", "gateway": "up"
+        }  # fmt: skip
+        assert f"health: the audit lane failed: {DEV_NULL}" in speclanes("status").stdout
+    finally:
+        stopped = speclanes("stop")
+    assert stopped.returncode == 0, stopped.stderr
+
+
+def test_a_crash_looping_verify_lane_stops_the_pipeline_with_the_reason(tmp_path) -> None:
+    """The verify lane cannot listen (its address under /dev/null): after restart.max_restarts
+    restarts it is failed, and nothing can be served without it, so the supervisor SIGTERMs the
+    rest and exits 1 with the lane's own last error line."""
+    from pipeline.service.run_dir import running_supervisor
+
+    pipe = Pipeline(tmp_path / "run", ["listen.verify=ipc:///dev/null/verify.ipc", *CRASH_LOOP])
+    command = [sys.executable, "-m", "pipeline.cli", "start", *(f"--set={s}" for s in pipe.settings)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=180)  # it exits on its own
+    assert out.returncode == 1, out.stderr
+    reason = f"the verify lane failed (it died 4 times): {DEV_NULL}"
+    assert out.stderr.splitlines()[-1] == f"speclanes: error: {reason}"
+    assert f"stopping the pipeline: {reason}" in out.stderr
+    assert out.stderr.count("verify started (pid") == 4
+    children = [int(pid) for pid in re.findall(r"started \(pid (\d+)", out.stderr)]
+    assert _wait_gone(children) == []
+    for lane in ("orchestrator", "draft", "audit"):  # stopped by the supervisor, not left to die
+        assert "SIGTERM: exiting" in (pipe.run_dir / f"{lane}.log").read_text(), lane
+    assert running_supervisor(pipe.run_dir) is None

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pipeline.api.body import read_body
+from pipeline.api.health import Health, judge, unreachable
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.openai import (
     DONE_EVENT,
@@ -51,7 +52,6 @@ from pipeline.protocol.messages import SpeculativeState
 
 log = logging.getLogger(__name__)
 
-REQUIRED_LANES = ("orchestrator", "verify")  # without these nothing decodes; draft and audit degrade
 READY_CHECK_SECONDS = 2.0  # how long a readiness check may take before the answer is 503
 READY_TRUST_SECONDS = 1.0  # a successful check is reused this long
 CANCEL_SECONDS = 5.0
@@ -102,7 +102,7 @@ class Gateway:
             config.admission.max_message_bytes,
         )
         self.generations: set[Generation] = set()
-        self.ready_until = -math.inf
+        self.ready_until, self.trusted = -math.inf, Health()  # a serving verdict, reused briefly
         self.created = int(time.time())
 
     # --- bookkeeping, reported in the heartbeats ---------------------------------------
@@ -123,19 +123,22 @@ class Gateway:
 
     # --- readiness ---------------------------------------------------------------------
 
-    async def not_ready(self) -> str | None:
-        """Why the pipeline cannot take a request now, or None when it can."""
+    async def check(self) -> Health:
+        """The pipeline's health (api/health.py); one that serves is trusted for READY_TRUST_SECONDS."""
         if trio.current_time() < self.ready_until:
-            return None
+            return self.trusted
         try:
             report = await self.client.status(timeout=READY_CHECK_SECONDS)
         except PipelineError as exc:
-            return f"the pipeline's orchestrator does not answer ({exc.message})"
-        down = [lane.name for lane in report.lanes if lane.name in REQUIRED_LANES and lane.state != "up"]
-        if down:
-            return f"the pipeline is not ready (not up: {', '.join(down)})"
-        self.ready_until = trio.current_time() + READY_TRUST_SECONDS
-        return None
+            return unreachable(exc.message)
+        health = judge(report.lanes)
+        if health.not_serving is None:
+            self.ready_until, self.trusted = trio.current_time() + READY_TRUST_SECONDS, health
+        return health
+
+    async def not_ready(self) -> str | None:
+        """Why the pipeline cannot take a request now, or None when it can (degraded or not)."""
+        return (await self.check()).not_serving
 
     async def require_ready(self) -> None:
         reason = await self.not_ready()
@@ -145,11 +148,9 @@ class Gateway:
     # --- endpoints ---------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        reason = await self.not_ready()
-        body = {"status": "ok" if reason is None else "unavailable", "model": self.model}
-        return JSONResponse(
-            body if reason is None else body | {"reason": reason}, 200 if reason is None else 503
-        )
+        health = await self.check()
+        body = health.body()
+        return JSONResponse(body | {"model": self.model}, 200 if body["status"] == "ok" else 503)
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "speclanes"}

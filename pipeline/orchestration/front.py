@@ -90,11 +90,11 @@ class ClientFront:
     def finished(self, request_id: str, now: float) -> None:
         self.requests[request_id].finished_at = now
 
-    def abandoned(self, now: float) -> list[str]:
+    def abandoned(self, now: float) -> list[RequestMachine]:
         idle = self.timeouts.client_idle
         return [
-            request_id
-            for request_id, t in self.requests.items()
+            t.machine
+            for t in self.requests.values()
             if not t.machine.done and not t.pollers and now - t.last_poll > idle
         ]
 

@@ -60,6 +60,7 @@ from pipeline.protocol.messages import (
     Fault,
     FaultKind,
     LaneDown,
+    LaneFailed,
     RequestOpened,
     Shutdown,
     SpeculativeEvent,
@@ -205,8 +206,8 @@ class Hub:
         change, lane = self.lanes.update(msg, now), self.lanes.views.get(msg.lane)
         if lane is None or change == "ignored":
             return []
-        if change == "went_down":
-            assert isinstance(msg, LaneDown)
+        if change in ("went_down", "failed"):
+            assert isinstance(msg, LaneDown | LaneFailed)
             return self._lane_down(msg, now)
         sends = self.ledger.snapshot(msg.lane, now)
         if change == "came_up":
@@ -223,9 +224,9 @@ class Hub:
         sends: list[Send] = []
         for machine in self.front.running():
             sends += self._run(machine, machine.tick(now), now)
-        for request_id in self.front.abandoned(now):
-            log.info("client of %s went away: cancelling", request_id)
-            sends += self._cancel(request_id, now)
+        for machine in self.front.abandoned(now):
+            log.info("client of %s went away: cancelling", machine.id)
+            sends += self._run(machine, machine.cancel(now), now)
         for request_id in self.front.forget_expired(now):
             self.journal.forget(request_id)
         for lane in self.lanes.stalled(now, self.config.restart.hang_seconds):
@@ -300,26 +301,24 @@ class Hub:
         if request_id is not None:
             concerned = [request_id] if machine is not None else []
         else:
-            concerned = [m.id for m in self.front.running()] if kind == "lane_down" else []
+            concerned = [m.id for m in self.front.running()] if kind in ("lane_down", "lane_failed") else []
         self.tracing.fault(kind, lane, message, concerned, step=machine.step if machine else None)
         fault = Fault(kind=kind, lane=lane, message=message, request_id=request_id, time=time.time())
         return self.ledger.fault(fault, now)
 
-    def _lane_down(self, msg: LaneDown, now: float) -> list[Send]:
-        message = f"pid {msg.pid} exited with {msg.returncode}; restarting"
-        sends = self._raise("lane_down", msg.lane, message, None, now)
-        running = self.front.running()
-        self.tracing.lane_down(msg, [m.id for m in running])
+    def _lane_down(self, msg: LaneDown | LaneFailed, now: float) -> list[Send]:
+        """Down or failed, the running requests react alike (plain decoding without drafts, waiting
+        for a verify lane); only a lane that will restart opens restart spans for them to close."""
+        running, failed = self.front.running(), isinstance(msg, LaneFailed)
+        sends = self._raise("lane_failed" if failed else "lane_down", msg.lane, death_message(msg), None, now)
+        if not failed:
+            self.tracing.lane_down(msg, [m.id for m in running])
         for machine in running:
             sends += self._run(machine, machine.lane_down(msg.lane, now), now)
         for machine in self.front.owned_by(f"{msg.lane}:{msg.pid}"):  # a dead gateway's requests
             log.info("%s died: cancelling its request %s", msg.lane, machine.id)
-            sends += self._cancel(machine.id, now)
+            sends += self._run(machine, machine.cancel(now), now)
         return sends
-
-    def _cancel(self, request_id: str, now: float) -> list[Send]:
-        machine = self.front.machine(request_id)
-        return [] if machine is None else self._run(machine, machine.cancel(now), now)
 
 
 def opened_event(record: OpenedRecord, model: str, draft_model: str) -> RequestOpened:
@@ -344,3 +343,9 @@ def summary_event(result: Result) -> SpeculativeEvent:
         iterations=stats.steps, content_length=len(result.text), finish_reason=result.finish_reason,
         stats=msgspec.to_builtins(stats), tokens=result.tokens,
     )  # fmt: skip
+
+
+def death_message(msg: LaneDown | LaneFailed) -> str:
+    if isinstance(msg, LaneFailed):
+        return f"pid {msg.pid} exited with {msg.returncode}, {msg.restarts} restarts: {msg.reason}"
+    return f"pid {msg.pid} exited with {msg.returncode}; restarting"

@@ -1,8 +1,9 @@
 """What the orchestrator knows of each lane: state, pid, restarts, totals, runtime.
 
-Fed by the control lane (the supervisor's LaneUp/LaneDown, each lane's Heartbeat); read by
-request machines (is the verify lane up, is the draft lane worth asking) and by `status`.
-A heartbeat from a pid already reported dead is ignored: it was in flight when it died.
+Fed by the control lane (the supervisor's LaneUp/LaneDown/LaneFailed, each lane's Heartbeat); read
+by request machines (is the verify lane up, is the draft lane worth asking) and by `status`.
+A heartbeat from a pid already reported dead is ignored: it was in flight when it died. A failed
+lane (past the restart intensity) stays failed: the supervisor starts no other.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.protocol.messages import Heartbeat, LaneDown, LaneStatus, LaneUp, SpeculativeState
+from pipeline.protocol.messages import Heartbeat, LaneDown, LaneFailed, LaneStatus, LaneUp, SpeculativeState
 
 LANES = ("verify", "draft", "audit", "orchestrator")
 
@@ -19,7 +20,7 @@ LANES = ("verify", "draft", "audit", "orchestrator")
 @dataclass
 class LaneView:
     name: str
-    state: str = "starting"  # starting | up | stalled | down
+    state: str = "starting"  # starting | up | stalled | down | failed
     pid: int | None = None
     restarts: int = 0
     totals: SpeculativeState = field(default_factory=SpeculativeState)
@@ -28,6 +29,7 @@ class LaneView:
     dead_pids: set[int] = field(default_factory=set)
     runtime: dict[str, Any] = field(default_factory=dict)
     snapshot_at: float = -math.inf  # when its totals last went to the audit trail
+    reason: str = ""  # why it failed: its own last error line
 
     def usable(self) -> bool:
         return self.state == "up" and (self.slow_since is None or self.last_beat > self.slow_since)
@@ -36,10 +38,11 @@ class LaneView:
         return LaneStatus(
             name=self.name, state=self.state, pid=self.pid, restarts=self.restarts,
             active_requests=self.totals.active_requests, totals=self.totals, runtime=self.runtime,
+            reason=self.reason,
         )  # fmt: skip
 
 
-Change = Literal["ignored", "beat", "came_up", "went_down"]
+Change = Literal["ignored", "beat", "came_up", "went_down", "failed"]
 
 
 class LaneTable:
@@ -58,14 +61,18 @@ class LaneTable:
     def mark_slow(self, name: str, now: float) -> None:
         self.views[name].slow_since = now
 
-    def update(self, msg: LaneUp | LaneDown | Heartbeat, now: float) -> Change:
+    def update(self, msg: LaneUp | LaneDown | LaneFailed | Heartbeat, now: float) -> Change:
         if msg.lane == "gateway":
             self.views.setdefault("gateway", LaneView("gateway"))  # possibly one on another host
         lane = self.views.get(msg.lane)
-        if lane is None:
-            return "ignored"
+        if lane is None or (lane.state == "failed" and msg.pid in lane.dead_pids):
+            return "ignored"  # a failure repeated, or news of the process that failed
+        if isinstance(msg, LaneFailed):
+            lane.dead_pids.add(msg.pid)
+            lane.state, lane.restarts, lane.reason = "failed", msg.restarts, msg.reason
+            return "failed"
         if isinstance(msg, LaneUp):
-            lane.pid, lane.restarts = msg.pid, msg.restarts
+            lane.pid, lane.restarts, lane.reason = msg.pid, msg.restarts, ""
             if lane.state != "up":
                 lane.state = "starting"
             return "beat"

@@ -26,7 +26,7 @@ import trio
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.protocol.config import Tls
+from pipeline.protocol.config import ESSENTIAL, Tls
 from pipeline.protocol.messages import (
     Cancel,
     Chunk,
@@ -34,6 +34,7 @@ from pipeline.protocol.messages import (
     ClientReply,
     Codec,
     ErrorReply,
+    LaneStatus,
     Message,
     Poll,
     StatusQuery,
@@ -210,9 +211,10 @@ class Client:
         return self.call(StatusQuery(), retry=True)
 
     def wait_ready(self, timeout: float = 60.0, ours: Callable[[], bool] | None = None) -> StatusReport:
-        """Until every lane this pipeline runs reports in (the orchestrator answering is not enough).
-        `ours`, checked first each round, says whether the answering pipeline is the awaited one
-        yet (False: wait on); it raises to give up at once."""
+        """Until every lane this pipeline runs reports in (the orchestrator answering is not enough)
+        or, a draft, audit or gateway lane, has failed (the pipeline serves on, degraded). `ours`,
+        checked first each round, says whether the answering pipeline is the awaited one yet
+        (False: wait on); it raises to give up at once."""
         deadline = time.monotonic() + timeout
         last: Exception | str | None = None
         while time.monotonic() < deadline:
@@ -221,7 +223,7 @@ class Client:
                 continue
             try:
                 report = self.status()
-                if all(lane.state == "up" for lane in report.lanes):
+                if all(_settled(lane) for lane in report.lanes):
                     return report
                 last = "not up: " + ", ".join(f"{x.name} {x.state}" for x in report.lanes if x.state != "up")
             except PipelineError as exc:
@@ -230,6 +232,11 @@ class Client:
         raise PipelineError(
             "unavailable", f"the pipeline at {self.address} is not ready after {timeout:.0f} s ({last})"
         )
+
+
+def _settled(lane: LaneStatus) -> bool:
+    """Up, or failed where the pipeline serves on without it (degraded): waiting cannot change it."""
+    return lane.state == "up" or (lane.state == "failed" and lane.name not in ESSENTIAL)
 
 
 class AsyncClient:

@@ -23,6 +23,8 @@ LANES = ("orchestrator", "verify", "draft", "audit")
 COMPONENTS = (*LANES, "gateway")
 # What a Submit adds to the JSON body it came from (field names, sampling settings, trace context).
 MESSAGE_OVERHEAD = 64 << 10
+# Nothing decodes without these: their failure stops the pipeline; the others' failure degrades it.
+ESSENTIAL = ("orchestrator", "verify")
 
 
 def default_run_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -107,10 +109,19 @@ class Restart(Section):
     # A lane whose event loop has not beaten for this long (stopped, hung) is killed and restarted,
     # and the orchestrator stops counting it as up (0: never).
     hang_seconds: float = 5.0
+    # Restart intensity, as in OTP: a lane restarted more than max_restarts times within
+    # within_seconds is marked failed and left down (see pipeline/service/supervisor.py).
+    max_restarts: int = 5
+    within_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.hang_seconds < 0:
             raise ValueError(f"restart.hang_seconds must be >= 0, got {self.hang_seconds}")
+        if self.max_restarts < 0 or self.within_seconds <= 0:
+            raise ValueError(
+                f"restart.max_restarts must be >= 0 and within_seconds > 0, got {self.max_restarts} "
+                f"and {self.within_seconds}"
+            )
 
     def alive_path(self, run_dir: str, lane: str) -> Path:
         """Touched by the lane on every heartbeat; its age is what the supervisor watches."""

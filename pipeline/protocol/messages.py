@@ -6,7 +6,7 @@ Sockets and what they carry (the receiving side listens, senders dial):
 - draft lane inbox (data): DraftRequest, Close
 - audit lane inbox (data): RequestOpened, StepEvent, SpeculativeEvent, FaultEvent, LaneSnapshot
 - orchestrator data inbox: Opened, Verified, Drafted, StepFailed, AuditAck
-- orchestrator control inbox: Fault, LaneUp, LaneDown, Heartbeat, Shutdown
+- orchestrator control inbox: Fault, LaneUp, LaneDown, LaneFailed, Heartbeat, Shutdown
 - orchestrator client socket (req/rep): Submit, Poll, Cancel, StatusQuery -> Submitted, Chunks,
   ErrorReply, StatusReport
 
@@ -32,6 +32,7 @@ FaultKind = Literal[
     "verification_failed",
     "max_iterations_exceeded",
     "lane_down",
+    "lane_failed",
     "timeout",
     "bad_request",
     "unknown_request",
@@ -256,6 +257,18 @@ class LaneDown(Message, frozen=True, kw_only=True):
     restarts: int
 
 
+class LaneFailed(Message, frozen=True, kw_only=True):
+    """The lane died once more than the restart intensity allows: the supervisor leaves it down.
+    `reason` is the process's own last error line. Repeated while the supervisor runs, so a
+    restarted orchestrator learns it too (the control lane drops what it cannot deliver)."""
+
+    lane: str
+    pid: int
+    returncode: int | None
+    restarts: int
+    reason: str
+
+
 class Heartbeat(Message, frozen=True, kw_only=True):
     lane: str
     pid: int
@@ -329,12 +342,13 @@ class ErrorReply(Message, frozen=True, kw_only=True):
 
 class LaneStatus(msgspec.Struct, kw_only=True):
     name: str
-    state: str  # starting | up | down
+    state: str  # starting | up | stalled | down | failed
     pid: int | None
     restarts: int
     active_requests: int
     totals: SpeculativeState
     runtime: dict[str, Any] = {}
+    reason: str = ""  # a failed lane's last error line
 
 
 class StatusReport(Message, frozen=True, kw_only=True):
@@ -350,7 +364,7 @@ VerifyInbox = Open | Verify | Close
 DraftInbox = DraftRequest | Close
 AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
 DataInbox = Opened | Verified | Drafted | StepFailed | AuditAck
-ControlInbox = Fault | LaneUp | LaneDown | Heartbeat | Shutdown
+ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
 ClientRequest = Submit | Poll | Cancel | StatusQuery
 ClientReply = Submitted | Chunks | ErrorReply | StatusReport
 

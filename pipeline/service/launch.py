@@ -19,6 +19,8 @@ from pipeline.protocol.client import Client, PipelineError
 from pipeline.protocol.config import Config, load_config
 from pipeline.service.run_dir import RunDirError, running_supervisor, secure
 
+LOG_TAIL_BYTES = 65536
+
 
 def launch(
     settings: Sequence[str] = (),
@@ -65,14 +67,19 @@ def wait_ready(proc: subprocess.Popen[bytes], config: Config, log_path: Path, ti
         client.wait_ready(timeout, ours=ours)
 
 
-def last_error(log_path: Path) -> str:
-    """The log's last line that says what went wrong (an error, else simply the last line)."""
+def last_error(log_path: Path, since: int = 0) -> str:
+    """The log's last line that says what went wrong (an error, else simply the last line), in what
+    was written from byte `since` on: one process's own output in a log its predecessors share.
+    Only the last 64 KiB are read: a log that has grown for days costs no more."""
     try:
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        with log_path.open("rb") as log:
+            log.seek(max(since, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            text = log.read().decode(errors="replace")
     except OSError:
         return "(no log)"
+    lines = [line for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["(empty log)"])[-1].strip()
+    return (errors or lines or ["(empty log)"])[-1].strip().lstrip("| ")  # "| ": an exception group's frame
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:

@@ -7,6 +7,12 @@ exponential back-off; LaneUp follows, and is repeated every few seconds for ever
 so an orchestrator that restarted learns every lane's pid and restart count again.
 SIGINT/SIGTERM: SIGTERM every child, SIGKILL any still alive after the grace period. If we
 are killed outright the lifelines close and the children exit on their own.
+
+Supervision as in OTP: a child that dies more often than the restart intensity allows
+(`restart.max_restarts` within `restart.within_seconds`) is failed, not restarted
+(LaneFailed, with its own last error line). A failed draft, audit or gateway leaves the rest
+serving, degraded; a failed verify lane or orchestrator leaves nothing worth serving, so the
+pipeline stops and `supervise` returns why.
 """
 
 from __future__ import annotations
@@ -27,15 +33,18 @@ from opentelemetry.trace import Span
 from pipeline.model.default import default_model_path
 from pipeline.model.store import load_prepared
 from pipeline.observability.telemetry import Telemetry
-from pipeline.protocol.config import Config
-from pipeline.protocol.messages import Fault, LaneDown, LaneUp, Shutdown
+from pipeline.protocol.config import ESSENTIAL, Config
+from pipeline.protocol.messages import Fault, LaneDown, LaneFailed, LaneUp, Shutdown
 from pipeline.protocol.tls import check_files
 from pipeline.protocol.transport import Outbox
+from pipeline.service.intensity import RestartIntensity
+from pipeline.service.launch import last_error
 from pipeline.service.run_dir import PRIVATE_UMASK, RunLock
 
 log = logging.getLogger(__name__)
 REANNOUNCE_SECONDS = 2.0
 UNDELIVERED_KEPT = 256
+Announcement = LaneUp | LaneDown | LaneFailed | Fault | Shutdown
 
 MODULES = {
     "orchestrator": "lanes.orchestrator",
@@ -44,6 +53,8 @@ MODULES = {
     "audit": "lanes.audit",
     "gateway": "lanes.gateway",
 }
+# A failure is announced again this often: the control lane drops what it cannot deliver.
+FAILED_REPEAT_SECONDS = 2.0
 
 
 class Supervisor:
@@ -54,16 +65,19 @@ class Supervisor:
         self.restart_counts: dict[str, int] = {}
         # What the control lane could not take (the orchestrator is down or restarting): delivered,
         # in order, once it can. The orchestrator's own death reaches its successor this way.
-        self.undelivered: collections.deque[LaneUp | LaneDown | Fault | Shutdown] = collections.deque(
-            maxlen=UNDELIVERED_KEPT
+        self.undelivered: collections.deque[LaneUp | LaneDown | LaneFailed | Fault | Shutdown] = (
+            collections.deque(maxlen=UNDELIVERED_KEPT)
         )
         self.control = Outbox(config.addresses.control, config.tls)
         self.telemetry = Telemetry.configure("supervisor", config.telemetry.dir, config.run_id())
         self.restarts = self.telemetry.meter.create_counter(
             "speclanes.lane.restarts", "{restart}", "Processes the supervisor restarted after they died"
         )
+        self.lanes = trio.CancelScope()  # every keep_running: cancelled to stop the pipeline
+        self.failure: str | None = None  # why the pipeline stopped itself (an essential lane failed)
+        self.hang_kills: dict[int, str] = {}  # pid -> why watch_heartbeat killed it
 
-    def announce(self, message: LaneUp | LaneDown | Fault | Shutdown) -> None:
+    def announce(self, message: Announcement) -> None:
         self.undelivered.append(message)
         self.deliver()
 
@@ -78,9 +92,12 @@ class Supervisor:
         restart = self.config.restart
         backoff, restarts = restart.initial_backoff, 0
         restart_span: Span | None = None  # from a death until the replacement has started
-        log_file = (self.run_dir / f"{name}.log").open("ab")
+        intensity = RestartIntensity(restart.max_restarts, restart.within_seconds)
+        log_path = self.run_dir / f"{name}.log"
+        log_file = log_path.open("ab")
         command = [sys.executable, "-m", MODULES[name], str(config_path), "--lifeline"]
         while True:
+            since = os.fstat(log_file.fileno()).st_size  # where this process's own output begins
             proc = await trio.lowlevel.open_process(
                 command, stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, start_new_session=True
             )
@@ -95,6 +112,10 @@ class Supervisor:
                 watch.start_soon(self.watch_heartbeat, name, proc, time.time())
                 await proc.wait()
                 watch.cancel_scope.cancel()
+            killed_for = self.hang_kills.pop(proc.pid, None)
+            if not intensity.allow(time.monotonic()):
+                await self.fail(name, proc, restarts, killed_for or last_error(log_path, since))
+                return
             restarts += 1
             log.warning("%s (pid %d) exited with %s; restart %d", name, proc.pid, proc.returncode, restarts)
             self.announce(LaneDown(lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts))
@@ -142,8 +163,34 @@ class Supervisor:
                 message = f"pid {proc.pid} has not beaten for {silent:.1f} s: killing it"
                 log.warning("%s %s", name, message)
                 self.announce(Fault(kind="timeout", lane=name, message=message, time=time.time()))
+                self.hang_kills[proc.pid] = message
                 proc.kill()
                 return
+
+    async def fail(self, name: str, proc: trio.Process, restarts: int, reason: str) -> None:
+        """Past the restart intensity: leave the lane down and say why, on the control lane and in
+        a trace. An essential lane's failure stops the pipeline; any other's is announced again
+        every few seconds for as long as we run, so a restarted orchestrator learns it too."""
+        restart = self.config.restart
+        log.error(
+            "%s (pid %d) exited with %s, more than restart.max_restarts = %d restarts within %g s: "
+            "failed, not restarted: %s", name, proc.pid, proc.returncode, restart.max_restarts,
+            restart.within_seconds, reason,
+        )  # fmt: skip
+        self.telemetry.fault(None, "lane_failed", name, reason)
+        failed = LaneFailed(
+            lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts, reason=reason
+        )
+        self.announce(failed)
+        if name in ESSENTIAL:
+            self.failure = f"the {name} lane failed (it died {restarts + 1} times): {reason}"
+            log.error("stopping the pipeline: %s", self.failure)
+            self.announce(Shutdown(reason=self.failure))
+            self.lanes.cancel()
+            return
+        while True:
+            await trio.sleep(FAILED_REPEAT_SECONDS)
+            self.announce(failed)
 
     async def stop_children(self) -> None:
         alive = [p for p in self.children.values() if p.returncode is None]
@@ -158,7 +205,8 @@ class Supervisor:
                 proc.kill()
                 await proc.wait()
 
-    async def run(self) -> None:
+    async def run(self) -> str | None:
+        """Until SIGINT/SIGTERM (None) or an essential lane's failure (why)."""
         config_path = self.run_dir / "config.json"
         config_path.write_bytes(msgspec.json.encode(self.config))
         # Prepare the weights once here, not three times at once in the lanes.
@@ -168,7 +216,7 @@ class Supervisor:
         for model in models:
             await trio.to_thread.run_sync(load_prepared, Path(model))
         try:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals, self.lanes:
                 async with trio.open_nursery() as nursery:
                     for name in self.config.processes():
                         nursery.start_soon(self.keep_running, name, config_path)
@@ -182,17 +230,18 @@ class Supervisor:
             with trio.CancelScope(shield=True):
                 await self.stop_children()
             self.telemetry.shutdown()
+        return self.failure
 
 
-def supervise(config: Config) -> None:
+def supervise(config: Config) -> str | None:
     """Lock the run directory before anything else; every process started from here keeps its
-    files private (umask 077)."""
+    files private (umask 077). Returns why the pipeline stopped itself, None after a signal."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
     check_files(config)  # a missing key fails `start` in one line, not every lane in a restart loop
     os.umask(PRIVATE_UMASK)
     lock = RunLock(Path(config.run.dir))
     lock.acquire()
     try:
-        trio.run(Supervisor(config).run)
+        return trio.run(Supervisor(config).run)
     finally:
         lock.release()
