@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
+import msgspec
 import pynng
 import trio
 
@@ -27,6 +29,7 @@ from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import Journal
 from pipeline.orchestration.lane_table import LANES, LaneTable
 from pipeline.orchestration.tracing import RequestTracing
+from pipeline.protocol.config import PREDECESSOR
 from pipeline.protocol.messages import (
     BadMessage,
     Cancel,
@@ -36,6 +39,7 @@ from pipeline.protocol.messages import (
     DataInbox,
     ErrorReply,
     Heartbeat,
+    LaneDown,
     Message,
     Poll,
     StatusQuery,
@@ -189,7 +193,10 @@ class OrchestratorLane:
         data = Inbox(config.bind("data"), DataInbox, config.tls)
         control = Inbox(config.bind("control"), ControlInbox, config.tls)
         clients = listen(pynng.Rep0, config.bind("client"), config.tls, config.admission.max_message_bytes)
-        self.dispatch(hub.recover(self.now()))  # what a previous orchestrator left in the journal
+        # What a previous orchestrator left in the journal, and how it died (the supervisor says).
+        predecessor = os.environ.get(PREDECESSOR)
+        death = msgspec.json.decode(predecessor, type=LaneDown) if predecessor else None
+        self.dispatch(hub.recover(self.now(), death))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.receive, data, hub.on_data)
             nursery.start_soon(self.receive, control, hub.on_control)

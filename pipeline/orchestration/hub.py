@@ -151,7 +151,7 @@ class Hub:
         """Begin (or, recovered, carry on) now if a running place is free; else it waits its turn."""
         return self._run(machine, machine.resume(now), now) if self.queue.enter(machine.id) else []
 
-    def recover(self, now: float) -> list[Send]:
+    def recover(self, now: float, predecessor: LaneDown | None = None) -> list[Send]:
         """After a restart: every journaled request back as it was when its last step was decided,
         the unacknowledged audit events, the kept faults and the totals; then each running request
         re-primes the verify lane (when it is up) and carries on."""
@@ -168,6 +168,8 @@ class Hub:
                 self.tracing.resumed(machine.id, request.opened.trace, len(request.steps))
                 sends += self._start(machine, now)
         log.info("recovered %d requests (%d running)", len(journaled.requests), len(self.front.running()))
+        if predecessor is not None and self.lanes.update(predecessor, now) == "went_down":
+            sends += self._lane_down(predecessor, now)  # its own death, a fault as any lane's
         return sends
 
     def cancel(self, request_id: str, secret: str, now: float) -> tuple[Chunks | ErrorReply, list[Send]]:

@@ -71,6 +71,8 @@ class LaneTable:
             lane.dead_pids.add(msg.pid)
             lane.state, lane.restarts, lane.reason = "failed", msg.restarts, msg.reason
             return "failed"
+        if msg.pid in lane.dead_pids:  # news of a process already dead: a late heartbeat, a LaneUp
+            return "ignored"  # re-announced before it died, its death told twice
         if isinstance(msg, LaneUp):
             lane.pid, lane.restarts, lane.reason = msg.pid, msg.restarts, ""
             if lane.state != "up":
@@ -80,8 +82,6 @@ class LaneTable:
             lane.dead_pids.add(msg.pid)
             lane.state, lane.restarts = "down", msg.restarts
             return "went_down"
-        if msg.pid in lane.dead_pids:
-            return "ignored"
         came_up = lane.state != "up"
         lane.state, lane.pid, lane.totals, lane.last_beat = "up", msg.pid, msg.state, now
         lane.runtime = msg.runtime

@@ -25,6 +25,9 @@ COMPONENTS = (*LANES, "gateway")
 MESSAGE_OVERHEAD = 64 << 10
 # Nothing decodes without these: their failure stops the pipeline; the others' failure degrades it.
 ESSENTIAL = ("orchestrator", "verify")
+# In a restarted orchestrator's environment: its predecessor's LaneDown (JSON), which no orchestrator
+# was there to hear on the control lane.
+PREDECESSOR = "SPECLANES_PREDECESSOR"
 
 
 def default_run_dir(environ: Mapping[str, str] | None = None) -> str:

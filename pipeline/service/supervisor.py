@@ -33,7 +33,7 @@ from opentelemetry.trace import Span
 from pipeline.model.default import default_model_path
 from pipeline.model.store import load_prepared
 from pipeline.observability.telemetry import Telemetry
-from pipeline.protocol.config import ESSENTIAL, Config
+from pipeline.protocol.config import ESSENTIAL, PREDECESSOR, Config
 from pipeline.protocol.messages import Fault, LaneDown, LaneFailed, LaneUp, Shutdown
 from pipeline.protocol.tls import check_files
 from pipeline.protocol.transport import Outbox
@@ -96,10 +96,16 @@ class Supervisor:
         log_path = self.run_dir / f"{name}.log"
         log_file = log_path.open("ab")
         command = [sys.executable, "-m", MODULES[name], str(config_path), "--lifeline"]
+        env: dict[str, str] | None = None  # the orchestrator's: how its predecessor died
         while True:
             since = os.fstat(log_file.fileno()).st_size  # where this process's own output begins
             proc = await trio.lowlevel.open_process(
-                command, stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, start_new_session=True
+                command,
+                stdin=subprocess.PIPE,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,
+                env=env,
             )
             self.children[name], self.restart_counts[name] = proc, restarts
             started = time.monotonic()
@@ -118,7 +124,10 @@ class Supervisor:
                 return
             restarts += 1
             log.warning("%s (pid %d) exited with %s; restart %d", name, proc.pid, proc.returncode, restarts)
-            self.announce(LaneDown(lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts))
+            death = LaneDown(lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts)
+            self.announce(death)
+            if name == "orchestrator":  # no orchestrator hears the control lane now: tell its successor
+                env = os.environ | {PREDECESSOR: msgspec.json.encode(death).decode()}
             self.restarts.add(1, {"speclanes.lane": name})
             restart_span = self.telemetry.start(
                 f"lane restart {name}",
