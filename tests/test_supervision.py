@@ -72,6 +72,14 @@ def test_a_repeated_failure_and_late_news_of_the_failed_process_change_nothing()
     assert table["audit"].state == "failed" and table["audit"].reason
 
 
+def test_a_new_process_of_a_failed_lane_clears_the_failure():
+    """Only another supervisor starts one (the lane on another host, its supervisor restarted)."""
+    table = LaneTable()
+    table.update(_failed("verify", 10), 1.0)
+    assert table.update(Heartbeat(lane="verify", pid=11, state=SpeculativeState()), 2.0) == "came_up"
+    assert (table["verify"].state, table["verify"].reason) == ("up", "")
+
+
 def test_a_failed_lane_is_never_counted_as_stalled():
     table = LaneTable()
     table.update(Heartbeat(lane="draft", pid=20, state=SpeculativeState()), 0.0)

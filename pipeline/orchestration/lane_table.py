@@ -84,7 +84,8 @@ class LaneTable:
             return "went_down"
         came_up = lane.state != "up"
         lane.state, lane.pid, lane.totals, lane.last_beat = "up", msg.pid, msg.state, now
-        lane.runtime = msg.runtime
+        # A new process (another host's supervisor started it) clears a failure.
+        lane.runtime, lane.reason = msg.runtime, ""
         return "came_up" if came_up else "beat"
 
     def stalled(self, now: float, hang_seconds: float) -> list[str]:
