@@ -54,7 +54,6 @@ MODULES = {
     "gateway": "lanes.gateway",
 }
 # A failure is announced again this often: the control lane drops what it cannot deliver.
-FAILED_REPEAT_SECONDS = 2.0
 
 
 class Supervisor:
@@ -63,6 +62,7 @@ class Supervisor:
         self.run_dir = Path(config.run.dir)
         self.children: dict[str, trio.Process] = {}
         self.restart_counts: dict[str, int] = {}
+        self.failed: dict[str, LaneFailed] = {}
         # What the control lane could not take (the orchestrator is down or restarting): delivered,
         # in order, once it can. The orchestrator's own death reaches its successor this way.
         self.undelivered: collections.deque[LaneUp | LaneDown | LaneFailed | Fault | Shutdown] = (
@@ -120,7 +120,7 @@ class Supervisor:
                 watch.cancel_scope.cancel()
             killed_for = self.hang_kills.pop(proc.pid, None)
             if not intensity.allow(time.monotonic()):
-                await self.fail(name, proc, restarts, killed_for or last_error(log_path, since))
+                self.fail(name, proc, restarts, killed_for or last_error(log_path, since))
                 return
             restarts += 1
             log.warning("%s (pid %d) exited with %s; restart %d", name, proc.pid, proc.returncode, restarts)
@@ -143,8 +143,8 @@ class Supervisor:
             backoff = min(backoff * 2, restart.max_backoff)
 
     async def reannounce(self) -> None:
-        """LaneUp again for every running child: what the control lane said while the orchestrator
-        was down (restarting) is lost, and its restart history lives here."""
+        """LaneUp again for every running child, LaneFailed for every failed one: what the control
+        lane said while the orchestrator was down (restarting) is lost, and its history lives here."""
         while True:
             await trio.sleep(REANNOUNCE_SECONDS)
             self.deliver()
@@ -153,6 +153,8 @@ class Supervisor:
             for name, proc in list(self.children.items()):
                 if proc.returncode is None:
                     self.announce(LaneUp(lane=name, pid=proc.pid, restarts=self.restart_counts[name]))
+            for failed in self.failed.values():
+                self.announce(failed)
 
     async def watch_heartbeat(self, name: str, proc: trio.Process, started: float) -> None:
         """Kill a lane whose alive file has gone stale since it first beat (SIGSTOP, a hung event
@@ -176,10 +178,10 @@ class Supervisor:
                 proc.kill()
                 return
 
-    async def fail(self, name: str, proc: trio.Process, restarts: int, reason: str) -> None:
+    def fail(self, name: str, proc: trio.Process, restarts: int, reason: str) -> None:
         """Past the restart intensity: leave the lane down and say why, on the control lane and in
         a trace. An essential lane's failure stops the pipeline; any other's is announced again
-        every few seconds for as long as we run, so a restarted orchestrator learns it too."""
+        with every round of `reannounce`, so a restarted orchestrator learns it too."""
         restart = self.config.restart
         log.error(
             "%s (pid %d) exited with %s, more than restart.max_restarts = %d restarts within %g s: "
@@ -191,15 +193,12 @@ class Supervisor:
             lane=name, pid=proc.pid, returncode=proc.returncode, restarts=restarts, reason=reason
         )
         self.announce(failed)
+        self.failed[name] = failed  # announced again with every round of `reannounce`
         if name in ESSENTIAL:
             self.failure = f"the {name} lane failed (it died {restarts + 1} times): {reason}"
             log.error("stopping the pipeline: %s", self.failure)
             self.announce(Shutdown(reason=self.failure))
             self.lanes.cancel()
-            return
-        while True:
-            await trio.sleep(FAILED_REPEAT_SECONDS)
-            self.announce(failed)
 
     async def stop_children(self) -> None:
         alive = [p for p in self.children.values() if p.returncode is None]
