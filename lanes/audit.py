@@ -15,7 +15,7 @@ import trio
 from lanes.lane import LaneContext, lane_main
 from pipeline.audit.store import AuditStore
 from pipeline.protocol.messages import AuditAck, AuditEvent, AuditInbox, BadMessage
-from pipeline.protocol.transport import Inbox, Outbox
+from pipeline.protocol.transport import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ async def serve(lane: LaneContext) -> None:
     config = lane.config
     store = AuditStore(config.audit.path)
     inbox: Inbox = Inbox(config.bind("audit"), AuditInbox, config.tls)
-    acks = Outbox(config.addresses.data, config.tls)
+    acks = lane.replies()
     lane.heartbeat()
     prune_at = retain(store, lane)
     while True:

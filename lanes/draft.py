@@ -12,7 +12,7 @@ from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.drafters.registry import make_draft_sources
 from pipeline.model import Model, default_model_path, load_model
 from pipeline.protocol.messages import BadMessage, Close, DraftInbox
-from pipeline.protocol.transport import Inbox, Outbox
+from pipeline.protocol.transport import Inbox
 from pipeline.workers.draft_server import DraftServer
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ async def serve(lane: LaneContext) -> None:
     draft_model = load_model(draft_path, backend) if draft_path else None
     server = DraftServer(make_draft_sources(target, draft_model), target.cfg.vocab_size, lane)
     inbox: Inbox = Inbox(config.bind("draft"), DraftInbox, config.tls)
-    results = Outbox(config.addresses.data, config.tls)
+    results = lane.replies()
     lane.heartbeat()
     async for msg in inbox:
         if isinstance(msg, BadMessage):

@@ -38,6 +38,14 @@ class LaneContext:
         self.runtime: dict[str, Any] = {}  # set by a lane that holds a model (see model.backends)
         self.control = Outbox(config.addresses.control, config.tls)
         self.telemetry = telemetry
+        self.data: Outbox | None = None  # to the orchestrator's data inbox, for lanes that reply
+
+    def replies(self) -> Outbox:
+        """The lane's Outbox to the orchestrator's data inbox. Heartbeats wait until it is connected:
+        "up" must mean that a reply sent now arrives, and a restarted lane's dialer may still be in
+        its reconnect back-off when its first heartbeat would go out (a draft then is lost)."""
+        self.data = Outbox(self.config.addresses.data, self.config.tls)
+        return self.data
 
     def fault(
         self,
@@ -57,6 +65,8 @@ class LaneContext:
         self.telemetry.fault(trace, kind, self.name, message, request_id=request_id, step=step)
 
     def heartbeat(self) -> None:
+        if self.data is not None and not self.data.connected():
+            return  # not reachable from here yet: not up
         beat = Heartbeat(lane=self.name, pid=self.pid, state=self.state, runtime=self.runtime)
         self.control.put_nowait(beat)
 

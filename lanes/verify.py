@@ -13,7 +13,7 @@ import trio
 from lanes.lane import LaneContext, lane_main
 from pipeline.model import default_model_path, load_model
 from pipeline.protocol.messages import VerifyInbox
-from pipeline.protocol.transport import Inbox, Outbox
+from pipeline.protocol.transport import Inbox
 from pipeline.workers.verifier import Verifier, runtime_report
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ async def serve(lane: LaneContext) -> None:
     lane.runtime = runtime_report(model)
     verifier = Verifier(model, lane, config.run.prefill_chunk)
     inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox, config.tls)
-    results = Outbox(config.addresses.data, config.tls)
+    results = lane.replies()
     window = config.run.batch_window_seconds
     lane.heartbeat()  # tells the orchestrator we are ready
     while True:
