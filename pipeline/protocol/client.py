@@ -16,6 +16,7 @@ another process resuming a stream passes the secret itself.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -130,7 +131,10 @@ class Secrets(dict[str, str]):
         return self.get(request_id, "") if secret is None else secret
 
 
-class Client:
+class Endpoint:
+    """What both clients hold: where the orchestrator is, how long a call may take, the TLS
+    configuration, the message size cap, and the secrets of the requests submitted here."""
+
     def __init__(
         self,
         address: str,
@@ -140,8 +144,11 @@ class Client:
     ) -> None:
         self.address, self.timeout, self.tls = address, timeout, tls
         self.max_message_bytes = max_message_bytes
-        self.sock: pynng.Req0 | None = None
         self.secrets = Secrets()
+
+
+class Client(Endpoint):
+    sock: pynng.Req0 | None = None
 
     def _connect(self) -> pynng.Req0:
         if self.sock is None:
@@ -239,21 +246,14 @@ def _settled(lane: LaneStatus) -> bool:
     return lane.state == "up" or (lane.state == "failed" and lane.name not in ESSENTIAL)
 
 
-class AsyncClient:
+class AsyncClient(Endpoint):
     """`Client` under trio: every call opens its own Req0 context on one shared socket, so
     concurrent streams do not queue behind each other's long polls. Calls are bounded by
     trio timeouts (pynng's async calls ignore nng's) and honour trio cancellation."""
 
-    def __init__(
-        self,
-        address: str,
-        timeout: float = 30.0,
-        tls: Tls | None = None,
-        max_message_bytes: int | None = None,
-    ) -> None:
-        self.address, self.timeout, self.max_message_bytes = address, timeout, max_message_bytes
-        self.sock = _socket(address, timeout, tls)
-        self.secrets = Secrets()
+    @functools.cached_property
+    def sock(self) -> pynng.Req0:
+        return _socket(self.address, self.timeout, self.tls)
 
     def close(self) -> None:
         self.sock.close()
