@@ -1,4 +1,5 @@
-"""The acceptance rule emits tokens distributed exactly as the target's rows, whatever p is."""
+"""The acceptance rule emits tokens distributed exactly as the target's rows, whatever p is;
+with a deterministic drafter it emits the very tokens plain seeded sampling gives."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 import pipeline.decoding.acceptance as acceptance
 from pipeline.decoding.acceptance import residual, verify
-from pipeline.decoding.sampling import sample_from
+from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
+from pipeline.decoding.sampling import sample_at
 
 from .stats import chi_square
 
@@ -25,17 +27,18 @@ def random_rows(rng: np.random.Generator, n: int, zeros: bool = True) -> np.ndar
 
 
 def first_tokens(p: np.ndarray | None, q: np.ndarray, draws: int, seed: int) -> np.ndarray:
-    """Counts of the first emitted token over many steps with drafts drawn from p
-    (uniform guesses when p is None: a deterministic drafter may propose anything)."""
+    """Counts of the first emitted token over many steps (each with its own request seed) with
+    drafts drawn from p (uniform guesses when p is None: a deterministic drafter may propose
+    anything), drawn with the test's own generator."""
     rng = np.random.default_rng(seed)
     counts = np.zeros(V, np.int64)
     k = q.shape[0] - 1
-    for _ in range(draws):
+    for trial in range(draws):
         if p is None:
             draft = [int(rng.integers(V)) for _ in range(k)]
         else:
-            draft = [sample_from(row, rng)[0] for row in p]
-        counts[verify(draft, p, q, rng).tokens[0]] += 1
+            draft = [int(rng.choice(V, p=row)) for row in p]
+        counts[verify(draft, p, q, seed * 10**6 + trial, 0).tokens[0]] += 1
     return counts
 
 
@@ -56,8 +59,8 @@ def test_bonus_token_follows_the_last_target_row():
     draft = [int(np.argmax(q[0])), int(np.argmax(q[1]))]
     q[0], q[1] = np.eye(V)[draft[0]], np.eye(V)[draft[1]]  # the drafts are always kept
     counts = np.zeros(V, np.int64)
-    for _ in range(20_000):
-        verdict = verify(draft, None, q, rng)
+    for trial in range(20_000):
+        verdict = verify(draft, None, q, trial, 5)
         assert verdict.accepted == 2
         counts[verdict.tokens[-1]] += 1
     statistic, critical = chi_square(counts, q[2])
@@ -86,19 +89,19 @@ def test_a_wrong_acceptance_ratio_is_caught(monkeypatch):
     rng = np.random.default_rng(5)
     p, q = random_rows(rng, 1, zeros=False), random_rows(rng, 2, zeros=False)
 
-    def inverted(draft, draft_probs, target_probs, rng):
+    def inverted(draft, draft_probs, target_probs, seed, start):
         x = draft[0]
-        keep = rng.random() < min(1.0, draft_probs[0][x] / max(target_probs[0][x], 1e-12))
+        keep = uniform(seed, start, ACCEPT) < min(1.0, draft_probs[0][x] / max(target_probs[0][x], 1e-12))
         if keep:
-            return acceptance.Verdict([x, sample_from(target_probs[1], rng)[0]], 1, [], None)
-        fix = sample_from(residual(target_probs[0], draft_probs[0], x), rng)[0]
+            return acceptance.Verdict([x, sample_at(target_probs[1], seed, start + 1)[0]], 1, [], None)
+        fix = sample_at(residual(target_probs[0], draft_probs[0], x), seed, start, RESIDUAL)[0]
         return acceptance.Verdict([fix], 0, [], None)
 
     monkeypatch.setattr(acceptance, "verify", inverted)
     counts = np.zeros(V, np.int64)
-    for _ in range(20_000):
-        x = sample_from(p[0], rng)[0]
-        counts[acceptance.verify([x], p, q, rng).tokens[0]] += 1
+    for trial in range(20_000):
+        x = int(rng.choice(V, p=p[0]))
+        counts[acceptance.verify([x], p, q, trial, 0).tokens[0]] += 1
     statistic, critical = chi_square(counts, q[0])
     assert statistic > critical
 
@@ -109,14 +112,32 @@ def test_greedy_keeps_exactly_the_matching_prefix(seed, k):
     rng = np.random.default_rng(seed)
     q = np.eye(V)[rng.integers(0, V, k + 1)]  # greedy target rows are one-hot
     draft = [int(t) for t in rng.integers(0, V, k)]
-    state = rng.bit_generator.state
-    verdict = verify(draft, None, q, rng)
+    verdict = verify(draft, None, q, seed, 3)
     targets = q.argmax(axis=1).tolist()
     n = next((i for i in range(k) if draft[i] != targets[i]), k)
     assert verdict.accepted == n
     assert verdict.tokens == targets[: n + 1]
-    assert rng.bit_generator.state == state  # greedy spends no randomness
+    assert verdict.final_u is None and all(d.u is None for d in verdict.decisions)  # no randomness used
     assert [d.kept for d in verdict.decisions] == [True] * n + ([False] if n < k else [])
+
+
+@settings(max_examples=300)
+@given(
+    st.integers(0, 2**64 - 1), st.integers(0, 5000), st.integers(0, 6), st.integers(0, 2**32), st.booleans()
+)
+def test_a_deterministic_draft_emits_exactly_the_seeded_samples(seed, start, k, rows_seed, lucky):
+    """Whatever is drafted, each emitted token is the target's own sample at its position with
+    that position's number: plain seeded decoding's token. `lucky` drafts those very samples
+    (all kept, then the bonus), otherwise the drafts are guesses."""
+    rng = np.random.default_rng(rows_seed)
+    q = random_rows(rng, k + 1)
+    plain = [sample_at(q[i], seed, start + i)[0] for i in range(k + 1)]
+    draft = plain[:k] if lucky else [int(t) for t in rng.integers(0, V, k)]
+    verdict = verify(draft, None, q, seed, start)
+    assert verdict.tokens == plain[: verdict.accepted + 1]
+    assert verdict.accepted == next((i for i in range(k) if draft[i] != plain[i]), k)
+    for i, d in enumerate(verdict.decisions):
+        assert d.u == (None if np.count_nonzero(q[i]) == 1 else uniform(seed, start + i, SAMPLE))
 
 
 @settings(max_examples=100)
@@ -125,19 +146,21 @@ def test_decisions_replay(seed):
     """Each record holds what is needed to re-derive its verdict."""
     rng = np.random.default_rng(seed)
     p, q = random_rows(rng, 3), random_rows(rng, 4)
-    draft = [sample_from(row, rng)[0] for row in p]
-    verdict = verify(draft, p, q, rng)
+    draft = [int(rng.choice(V, p=row)) for row in p]
+    verdict = verify(draft, p, q, seed, 11)
     for d in verdict.decisions:
         assert d.p == pytest.approx(p[d.position][d.draft_token])
         assert d.q == pytest.approx(q[d.position][d.draft_token])
         if d.u is None:
             assert d.kept == (d.q >= d.p)
         else:
+            assert d.u == uniform(seed, 11 + d.position, ACCEPT)
             assert d.kept == (d.u * d.p < d.q)
+    assert verify(draft, p, q, seed, 11) == verdict  # a fixed seed reproduces a fixed run
 
 
 def test_row_counts_are_checked():
     with pytest.raises(ValueError, match="target rows"):
-        verify([1, 2], None, np.ones((2, V)) / V, np.random.default_rng())
+        verify([1, 2], None, np.ones((2, V)) / V, 0, 0)
     with pytest.raises(ValueError, match="draft rows"):
-        verify([1, 2], np.ones((1, V)) / V, np.ones((3, V)) / V, np.random.default_rng())
+        verify([1, 2], np.ones((1, V)) / V, np.ones((3, V)) / V, 0, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -180,6 +181,41 @@ def test_greedy_speculation_is_identical_on_near_ties(flat_models, seed, k, leng
         "ngram": NgramSource(), "suffix": SuffixSource(), "model": ModelSource(draft, target),
         "self-model": ModelSource(target, target), "auto": make_draft_source("auto", target, draft),
     }[drafter]  # fmt: skip
+    plain = decode(target, prompt, params, NoDraftSource(), k=0)
+    spec = decode(target, prompt, params, source, k=k)
+    assert spec.tokens == plain.tokens
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**64 - 1),
+    temperature=st.sampled_from([0.3, 0.8, 1.0, 1.7]),
+    top_k=st.sampled_from([0, 2, 20]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5]),
+    k=st.sampled_from([None, 1, 3, 8, 16]),
+    length=st.integers(2, 40),
+    drafter=st.sampled_from(["ngram", "suffix", "auto"]),
+    earlier=st.integers(0, 2),
+)
+def test_seeded_speculation_equals_plain_seeded_decoding(
+    flat_models, seed, temperature, top_k, top_p, k, length, drafter, earlier
+):
+    """Every deterministic drafter, any k, after earlier requests that filled the suffix cache
+    (which changes what is drafted): the tokens are exactly plain seeded decoding's, because each
+    position is sampled with its own number (`decoding.noise`) from bit-identical rows."""
+    target, _ = flat_models
+    rng = np.random.default_rng(seed % 2**32)
+    base = rng.integers(3, 267, size=max(2, length // 3)).tolist()
+    prompt = (base * 4)[:length]
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=24, ignore_eos=True
+    )
+    source = {"ngram": NgramSource(), "suffix": SuffixSource(), "auto": make_draft_source("auto", target)}[
+        drafter
+    ]
+    for _ in range(earlier):  # other requests teach the cross-request cache other continuations
+        other = rng.integers(3, 267, size=8).tolist() * 3
+        decode(target, other, msgspec.structs.replace(params, seed=int(rng.integers(2**32))), source, k=4)
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
     spec = decode(target, prompt, params, source, k=k)
     assert spec.tokens == plain.tokens

@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pipeline.decoding.sampling import SamplingParams, draw, make_rng, sample_from, target_probs
+from pipeline.decoding.noise import PURPOSES, uniform
+from pipeline.decoding.sampling import SamplingParams, draw, make_rng, sample_at, target_probs
+
+from .stats import chi_square
 
 logit_rows = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32, allow_nan=False))
 settings_strategy = st.builds(
@@ -73,9 +76,9 @@ def test_seeded_sampling_is_reproducible():
     logits = np.random.default_rng(0).standard_normal(50)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=123)
     probs = target_probs(logits, params)
-    rng_a, rng_b = make_rng(params.seed)[0], make_rng(params.seed)[0]
-    draws_a = [sample_from(probs, rng_a)[0] for _ in range(50)]
-    assert draws_a == [sample_from(probs, rng_b)[0] for _ in range(50)]
+    seed = make_rng(params.seed)[1]
+    draws_a = [sample_at(probs, seed, position)[0] for position in range(50)]
+    assert draws_a == [sample_at(probs, 123, position)[0] for position in range(50)]
     assert len(set(draws_a)) > 1  # it really sampled
     assert make_rng(None)[1] != make_rng(None)[1]  # no seed: a fresh one each time, reported back
 
@@ -101,7 +104,24 @@ def test_invalid_settings_are_refused(field, value, message):
 @settings(max_examples=50)
 @given(logit_rows, st.integers(0, 2**32))
 def test_greedy_consumes_no_randomness(logits, seed):
-    rng = make_rng(seed)[0]
-    state = rng.bit_generator.state
-    assert sample_from(target_probs(logits, SamplingParams()), rng) == (int(np.argmax(logits)), None)
-    assert rng.bit_generator.state == state
+    assert sample_at(target_probs(logits, SamplingParams()), seed, 9) == (int(np.argmax(logits)), None)
+
+
+@settings(max_examples=200)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.sampled_from(sorted(PURPOSES.values())))
+def test_a_position_s_number_depends_on_nothing_else(seed, position, purpose):
+    """The same (seed, position, purpose) always gives the same number in [0, 1), whatever was
+    drawn before; another position, purpose or seed gives another one."""
+    u = uniform(seed, position, purpose)
+    uniform(seed, position + 1, purpose)  # other draws in between change nothing
+    assert 0.0 <= u < 1.0 and uniform(seed, position, purpose) == u
+    others = {uniform(seed, position + 1, purpose), uniform(seed ^ 1, position, purpose)}
+    others.add(uniform(seed, position, (purpose + 1) % len(PURPOSES)))
+    assert u not in others
+
+
+def test_position_keyed_numbers_are_uniform():
+    numbers = [uniform(7, position, 0) for position in range(20_000)]
+    counts = np.bincount((np.array(numbers) * 10).astype(int), minlength=10)
+    statistic, critical = chi_square(counts, np.full(10, 0.1))
+    assert statistic < critical

@@ -13,13 +13,15 @@ What is checked, for a request's `RequestOpened`, its `StepEvent`s and its summa
 - p(x): exactly 1 for deterministic drafters (n-gram, suffix, and any drafter under
   greedy); for the sampling `model` drafter it is recomputed with the draft model the
   same way, when that model is available (otherwise the step is reported unchecked);
-- every decision follows the rule on its recorded numbers (u drawn only when the outcome
-  was uncertain; kept iff u * p(x) < q(x));
+- every decision follows the rule: a deterministic drafter's draft is kept iff the target's
+  own sample at its position (inverse-CDF on the recomputed row with the recorded u) is the
+  draft, and the first sample that is not is the replacement; a sampling drafter's draft is
+  kept iff u * p(x) < q(x) (u drawn only when the outcome was uncertain);
 - every correction and bonus token is the one inverse-CDF sampling with the recorded u
-  gives from the recomputed residual norm(max(0, q - p)) or target row (greedy: the
-  argmax), allowing a draw that lands within round-off of a bucket edge;
-- every recorded u is the next number of the request's seeded PCG64 stream, in order,
-  and `draws` counts them: nobody chose the uniforms after the fact;
+  gives from the recomputed target row (after a sampling drafter's rejection: the residual
+  norm(max(0, q - p))); greedy: the argmax. A draw within round-off of a bucket edge passes;
+- every recorded u is the number keyed by (seed, position, purpose) (`decoding.noise`):
+  nobody chose the uniforms after the fact;
 - the served tokens equal the emitted tokens cut where the output stream (EOS, stop
   strings, max_tokens) ends them, and the summary's totals match the steps.
 
@@ -43,6 +45,7 @@ import msgspec
 import numpy as np
 
 from pipeline.decoding.acceptance import Decision, residual
+from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.sampling import SamplingParams, target_probs
 from pipeline.model import Runtime
@@ -151,12 +154,19 @@ def greedy_q_problem(logits: np.ndarray, token: int, q: float) -> str | None:
     return f"recorded q(x)={q:.6g}, the target's greedy row gives {want:g} (argmax {best})"
 
 
-def uniforms(seed: int, start: int, n: int) -> list[float]:
-    """Uniforms number start..start+n-1 of the verifier's stream for `seed` (as `TargetState` draws them)."""
-    bits = np.random.PCG64(seed)
-    bits.advance(start)
-    rng = np.random.Generator(bits)
-    return [float(rng.random()) for _ in range(n)]
+def keyed_numbers(step: StepEvent, first: int, sampling_drafter: bool) -> list[tuple[float, int, int]]:
+    """Each recorded u of a step with the (position, purpose) its number is keyed by; `first` is
+    the position the step's first emitted token sits at."""
+    numbers = [
+        (d.u, first + i, ACCEPT if sampling_drafter else SAMPLE)
+        for i, d in enumerate(step.decisions)
+        if d.u is not None
+    ]
+    if step.final_u is not None:
+        rejected = bool(step.decisions) and not step.decisions[-1].kept
+        purpose = RESIDUAL if rejected and sampling_drafter else SAMPLE
+        numbers.append((step.final_u, first + len(step.emitted) - 1, purpose))
+    return numbers
 
 
 # --- rows of a model along the served sequence -----------------------------------------
@@ -253,7 +263,6 @@ class Verifier:
     def run(self) -> list[StepVerdict]:
         verdicts: list[StepVerdict] = []
         position = len(self.opened.prompt_tokens) - 1  # the row that decides the step's first token
-        draws = 0
         for expected, step in enumerate(self.record.steps):
             accepted = sum(d.kept for d in step.decisions)
             if step.step != expected:  # the verdict names the missing step, not the one found next
@@ -268,18 +277,12 @@ class Verifier:
             verdict.problems += structure_problems(step) if expected else self.first_step_shape(step)
             if not verdict.problems:
                 self.check_numbers(step, position, verdict)
-            used = [d.u for d in step.decisions if d.u is not None]
-            used += [] if step.final_u is None else [step.final_u]
-            if step.draws != draws + len(used):
-                verdict.problems.append(
-                    f"draws {step.draws}, but {draws} before plus {len(used)} in this step"
-                )
-            for j, (got, want) in enumerate(zip(used, uniforms(self.seed, draws, len(used)), strict=True)):
-                if got != want:
+            sampling_drafter = uses_draft_rows(step, self.params)
+            for got, at, purpose in keyed_numbers(step, position + 1, sampling_drafter):
+                if got != (want := uniform(self.seed, at, purpose)):
                     verdict.problems.append(
-                        f"uniform #{draws + j} is {got!r}, but the seeded stream gives {want!r}"
+                        f"u={got!r} at position {at}, but the number the seed gives there is {want!r}"
                     )
-            draws = step.draws
             position += len(step.emitted)
         return verdicts
 
@@ -319,7 +322,13 @@ class Verifier:
                         verdict.problems.append(f"{where}: recorded p(x)={d.p:.6g}, the draft gives {p:.6g}")
             elif d.p != 1.0:
                 verdict.problems.append(f"{where}: a deterministic drafter has p(x)=1, recorded {d.p:.6g}")
-            if (problem := rule_problem(d)) is not None:
+            if uses_draft_rows(step, params) or params.greedy:
+                problem = rule_problem(d)
+            else:  # the target's own sample at this position decided: kept iff it is the draft
+                problem = draw_problem(q_rows[i], d.u, d.draft_token if d.kept else d.replacement or 0)
+                if problem is None and not d.kept and d.replacement == d.draft_token:
+                    problem = "the target's sample is the draft itself, yet it was rejected"
+            if problem is not None:
                 verdict.problems.append(f"{where}: {problem}")
         self.check_final(step, logits, q_rows, p_rows, verdict)
 
@@ -338,11 +347,10 @@ class Verifier:
             problem = greedy_problem(logits[accepted], token, what)
             if problem is None and step.final_u is not None:
                 problem = f"greedy needs no draw, but u={step.final_u!r} is recorded for the {what} token"
-        elif rejected:
-            if p_rows is None and uses_draft_rows(step, self.params):
+        elif rejected and uses_draft_rows(step, self.params):
+            if p_rows is None:
                 return  # reported unchecked: the residual needs the draft row
-            p_row = None if p_rows is None else p_rows[accepted]
-            dist = residual(q_rows[accepted], p_row, decisions[-1].draft_token)
+            dist = residual(q_rows[accepted], p_rows[accepted], decisions[-1].draft_token)
             problem = draw_problem(dist, step.final_u, token)
         else:
             problem = draw_problem(q_rows[accepted], step.final_u, token)

@@ -1,14 +1,21 @@
-"""Speculative acceptance (Leviathan et al. 2023; Chen et al. 2023) as pure functions.
+"""Speculative acceptance as pure functions, with position-keyed random numbers
+(`noise.uniform(seed, position, purpose)`).
 
-Given k draft tokens, the draft distributions p they were drawn from (None for a
-deterministic drafter: p is then one-hot on each draft token), and the k + 1 target
-distributions q from one verify pass, keep draft token x with probability
-min(1, q(x) / p(x)); at the first rejection draw from norm(max(0, q - p)); if all k are
-kept draw a bonus token from q[k]. The emitted tokens are then distributed exactly as
-the target alone would produce them. Greedy is the case where every q is one-hot.
+A deterministic drafter (n-gram, suffix: p is one-hot) keeps a draft token exactly when the
+target's own sample at that position, made with that position's number, equals it; the
+first sample that differs is emitted instead, and when every draft is kept the next
+position's sample is the bonus. This is the Leviathan rule for a one-hot p (keep with
+probability q(x), else a token from q without x), and every emitted token is the very token
+plain seeded decoding samples there: seeded output is identical with or without speculation.
 
-A random number is drawn only when the outcome is actually uncertain, so greedy
-decoding consumes no randomness and every decision can be replayed from its record.
+A sampling drafter (the model drafter, with rows p) follows Leviathan et al. 2023 / Chen et
+al. 2023: keep x with probability min(1, q(x) / p(x)) (number ACCEPT at its position); at
+the first rejection draw from norm(max(0, q - p)) (number RESIDUAL); if all k are kept draw
+the bonus from q[k] (number SAMPLE). Emitted tokens follow the target's distribution, and a
+fixed seed reproduces a fixed run; they equal plain seeded decoding's only where every draft
+is kept and at the bonus position.
+
+Greedy is the case where every q is one-hot: no number is used.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from pipeline.decoding.sampling import sample_from
+from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
+from pipeline.decoding.sampling import sample_at
 
 
 class Decision(msgspec.Struct, frozen=True, array_like=True):
@@ -54,9 +62,11 @@ def verify(
     draft_tokens: list[int],
     draft_probs: np.ndarray | None,
     target_probs: np.ndarray,
-    rng: np.random.Generator,
+    seed: int,
+    start: int,
 ) -> Verdict:
-    """Accept a prefix of the draft and emit one more token; see the module docstring."""
+    """Accept a prefix of the draft and emit one more token; see the module docstring. Row i of
+    `target_probs` decides sequence position `start + i`."""
     k = len(draft_tokens)
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} target rows for {k} draft tokens, got {target_probs.shape[0]}")
@@ -64,22 +74,27 @@ def verify(
         raise ValueError(f"need {k} draft rows for {k} draft tokens, got {draft_probs.shape[0]}")
     decisions: list[Decision] = []
     for i, x in enumerate(draft_tokens):
-        q_row = target_probs[i]
-        p_x = 1.0 if draft_probs is None else float(draft_probs[i][x])
+        q_row, position = target_probs[i], start + i
         q_x = float(q_row[x])
-        u = None
+        if draft_probs is None:  # the target's own sample decides
+            sampled, u = sample_at(q_row, seed, position, SAMPLE)
+            if sampled != x:
+                decisions.append(Decision(i, x, 1.0, q_x, u, False, sampled))
+                return Verdict([*draft_tokens[:i], sampled], i, decisions, u)
+            decisions.append(Decision(i, x, 1.0, q_x, u, True, None))
+            continue
+        p_x, u = float(draft_probs[i][x]), None
         if q_x >= p_x:
             kept = True
         elif q_x == 0.0:
             kept = False
         else:
-            u = float(rng.random())
+            u = uniform(seed, position, ACCEPT)
             kept = u * p_x < q_x
         if not kept:
-            p_row = None if draft_probs is None else draft_probs[i]
-            replacement, final_u = sample_from(residual(q_row, p_row, x), rng)
+            replacement, final_u = sample_at(residual(q_row, draft_probs[i], x), seed, position, RESIDUAL)
             decisions.append(Decision(i, x, p_x, q_x, u, False, replacement))
             return Verdict([*draft_tokens[:i], replacement], i, decisions, final_u)
         decisions.append(Decision(i, x, p_x, q_x, u, True, None))
-    bonus, final_u = sample_from(target_probs[k], rng)
+    bonus, final_u = sample_at(target_probs[k], seed, start + k, SAMPLE)
     return Verdict([*draft_tokens, bonus], k, decisions, final_u)

@@ -13,6 +13,8 @@ import math
 import msgspec
 import numpy as np
 
+from pipeline.decoding.noise import SAMPLE, uniform
+
 MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
 
 
@@ -101,14 +103,12 @@ def draw(probs: np.ndarray, u: float) -> int:
     return index if index < probs.size else int(np.flatnonzero(probs)[-1])
 
 
-def sample_from(probs: np.ndarray, rng: np.random.Generator) -> tuple[int, float | None]:
-    """A token from one probability row, and the uniform draw it spent.
-
-    A draw is spent only if more than one token is possible, so greedy decoding (and
-    any filter that leaves one token) consumes no randomness.
-    """
+def sample_at(probs: np.ndarray, seed: int, position: int, purpose: int = SAMPLE) -> tuple[int, float | None]:
+    """A token from one probability row with the number keyed by (seed, position, purpose), and
+    that number. None when only one token is possible: greedy decoding (and any filter that
+    leaves one token) uses no randomness."""
     support = np.flatnonzero(probs)
     if support.size == 1:
         return int(support[0]), None
-    u = float(rng.random())
+    u = uniform(seed, position, purpose)
     return draw(probs, u), u

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal, draft_rng
+from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, make_rng
 from pipeline.decoding.session import Session, check_prompt
@@ -40,7 +40,7 @@ def decode(
     _, seed = make_rng(params.seed)
     session = Session(model.tokenizer, model.cfg.context_length, prompt_tokens, params, speculation)
     target = TargetState(model, params, seed, capacity=session.capacity())
-    drafter = GuardedDrafter(source.start(prompt_tokens, params, draft_rng(seed)))
+    drafter = GuardedDrafter(source.start(prompt_tokens, params, seed))
     emit = on_text or (lambda _text: None)
 
     start = time.perf_counter()

@@ -1,5 +1,5 @@
-"""One request's state on the side that holds the target model: its KV cache and the
-verifier's random stream."""
+"""One request's state on the side that holds the target model: its KV cache and its seed
+(every number it uses is keyed by the seed and the position it decides: `noise`)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.decoding.acceptance import Verdict, verify
-from pipeline.decoding.sampling import SamplingParams, sample_from, target_probs
+from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
 from pipeline.model import Runtime
 
 
 class TargetState:
-    """`draws` counts the uniforms spent, so a restarted verifier can resume the same stream
-    (`PCG64.advance`) and keep a seeded request reproducible."""
+    """`draws` counts the numbers used so far (for the audit trail); nothing depends on it, so a
+    re-primed verifier starts wherever the accepted prefix ends."""
 
     def __init__(
         self, model: Runtime, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int
     ) -> None:
-        self.model, self.params, self.seed = model, params, seed
-        bits = np.random.PCG64(seed)
-        bits.advance(draws)
-        self.rng, self.draws = np.random.Generator(bits), draws
+        self.model, self.params, self.seed, self.draws = model, params, seed, draws
         self.cache = model.new_cache(capacity=capacity)
 
     def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
@@ -32,13 +29,14 @@ class TargetState:
 
     def first_token(self, last_logits: np.ndarray) -> tuple[int, float | None]:
         """The token after the prompt, from the prompt's last logits row (fed whole or in chunks)."""
-        token, u = sample_from(target_probs(last_logits, self.params), self.rng)
+        token, u = sample_at(target_probs(last_logits, self.params), self.seed, self.cache.length)
         self.draws += u is not None
         return token, u
 
     def conclude(self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None) -> Verdict:
         """Apply the acceptance rule to a forward over [pending, *drafts] and roll back."""
-        verdict = verify(drafts, draft_probs, target_probs(logits, self.params), self.rng)
-        self.cache.truncate(self.cache.length - len(drafts) + verdict.accepted)
-        self.draws += sum(d.u is not None for d in verdict.decisions) + (verdict.final_u is not None)
-        return verdict
+        start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
+        verdict = verify(drafts, draft_probs, target_probs(logits, self.params), self.seed, start)
+        self.cache.truncate(start + verdict.accepted)
+        self.draws += len({*(d.u for d in verdict.decisions), verdict.final_u} - {None})  # a rejected
+        return verdict  # deterministic draft's number is also the replacement's

@@ -15,7 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from pipeline.decoding.adaptive import K_LIMIT
-from pipeline.decoding.drafters import Drafter, DraftSource, draft_rng
+from pipeline.decoding.drafters import Drafter, DraftSource
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
 from pipeline.workers.reporting import LaneReporter, step_failed
 
@@ -68,7 +68,7 @@ class DraftServer:
             if active is None:
                 prompt = msg.context[: msg.prompt_length]
                 source = self.sources[msg.drafter]
-                active = ActiveDraft(source.start(prompt, msg.params, draft_rng(msg.seed)), msg.prompt_length)
+                active = ActiveDraft(source.start(prompt, msg.params, msg.seed), msg.prompt_length)
                 self.active[msg.request_id] = active
                 while len(self.active) > MAX_REQUESTS:
                     self.active.popitem(last=False)

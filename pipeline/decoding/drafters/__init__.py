@@ -43,7 +43,7 @@ class Drafter(Protocol):
 class DraftSource(Protocol):
     name: str
 
-    def start(self, prompt: Sequence[int], params: SamplingParams, rng: np.random.Generator) -> Drafter: ...
+    def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> Drafter: ...
 
 
 class NoDrafter:
@@ -64,11 +64,5 @@ class NoDrafter:
 class NoDraftSource:
     name = "none"
 
-    def start(self, prompt: Sequence[int], params: SamplingParams, rng: np.random.Generator) -> Drafter:
+    def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> Drafter:
         return NoDrafter()
-
-
-def draft_rng(seed: int) -> np.random.Generator:
-    """The drafter's own random stream, derived from the request seed. Kept apart from the
-    verifier's stream so a drafter in another process draws exactly what it would in-process."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 1])))

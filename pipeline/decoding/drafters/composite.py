@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.sampling import SamplingParams
 
@@ -34,7 +32,5 @@ class CompositeSource:
     def __init__(self, sources: list[DraftSource], name: str = "auto") -> None:
         self.sources, self.name = sources, name
 
-    def start(
-        self, prompt: Sequence[int], params: SamplingParams, rng: np.random.Generator
-    ) -> CompositeDrafter:
-        return CompositeDrafter(self.name, [s.start(prompt, params, rng) for s in self.sources])
+    def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> CompositeDrafter:
+        return CompositeDrafter(self.name, [s.start(prompt, params, seed) for s in self.sources])

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.decoding.drafters import EMPTY, Proposal
-from pipeline.decoding.sampling import SamplingParams, sample_from, target_probs
+from pipeline.decoding.noise import DRAFT
+from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
 from pipeline.model import Runtime
 from pipeline.model.errors import ModelFileError
 
@@ -33,8 +34,8 @@ def check_same_vocabulary(target: Runtime, draft: Runtime) -> None:
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, model: Runtime, params: SamplingParams, rng: np.random.Generator) -> None:
-        self.model, self.params, self.rng = model, params, rng
+    def __init__(self, model: Runtime, params: SamplingParams, seed: int) -> None:
+        self.model, self.params, self.seed = model, params, seed
         self.cache = model.new_cache()
         self.fed: list[int] = []  # tokens whose K/V are in the draft cache
 
@@ -57,11 +58,11 @@ class ModelDrafter:
         pending = list(context[len(self.fed) :])
         tokens: list[int] = []
         rows = []
-        for _ in range(k):
+        for j in range(k):  # draft j sits at position len(context) + j: its own number samples it
             logits = self.model.forward(self.cache, pending, all_logits=False)[0]
             self.fed.extend(pending)
             probs = target_probs(logits, self.params)
-            token, _ = sample_from(probs, self.rng)
+            token, _ = sample_at(probs, self.seed, len(context) + j, DRAFT)
             tokens.append(token)
             rows.append(probs)
             pending = [token]
@@ -82,5 +83,5 @@ class ModelSource:
         check_same_vocabulary(target, draft)
         self.draft = draft
 
-    def start(self, prompt: Sequence[int], params: SamplingParams, rng: np.random.Generator) -> ModelDrafter:
-        return ModelDrafter(self.draft, params, rng)
+    def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> ModelDrafter:
+        return ModelDrafter(self.draft, params, seed)

@@ -50,5 +50,5 @@ class NgramSource:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def start(self, prompt: Sequence[int], params: SamplingParams, rng: np.random.Generator) -> NgramDrafter:
+    def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> NgramDrafter:
         return NgramDrafter(self.min_n, self.max_n)

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
-
 from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.sampling import SamplingParams
 
@@ -92,5 +90,5 @@ class SuffixSource:
     def __init__(self, table: SuffixTable | None = None) -> None:
         self.table = table or SuffixTable()
 
-    def start(self, prompt: Sequence[int], params: SamplingParams, rng: np.random.Generator) -> SuffixDrafter:
+    def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> SuffixDrafter:
         return SuffixDrafter(self.table, prompt)
