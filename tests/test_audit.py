@@ -35,7 +35,7 @@ from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.decoding.noise import SAMPLE, uniform
-from pipeline.decoding.sampling import SamplingParams, make_rng, sample_at
+from pipeline.decoding.sampling import SamplingParams, request_seed, sample_at
 from pipeline.decoding.session import Session
 from pipeline.decoding.speculation import Speculation
 from pipeline.decoding.speculative import GuardedDrafter, decode
@@ -86,7 +86,7 @@ def audited_run(
 ) -> list[AuditEvent]:
     """The in-process loop (`speculative.decode`) with the events the orchestrator records."""
     assert target.tokenizer is not None
-    _, seed = make_rng(params.seed)
+    seed = request_seed(params.seed)
     session = Session(
         target.tokenizer, target.cfg.context_length, PROMPT, params, Speculation(k="auto" if k is None else k)
     )

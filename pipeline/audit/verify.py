@@ -29,7 +29,7 @@ What cannot be checked: that the model file is the one that served (a different 
 fails the q checks, which is the practical test); differences smaller than the
 tolerances (a q moved by less than 1e-4 + 0.1% of itself passes); drafted tokens themselves
 (any draft is allowed: the rule makes the output exact whatever the drafter says); that
-the seed was not chosen for its outcome (the stream check proves the u's were not edited
+the seed was not chosen for its outcome (the keyed-number check proves the u's were not edited
 after the fact, given the recorded seed). Which steps carry draft-model rows is read from
 the step's drafter name ("model" under sampling); any other drafter must have p(x) = 1.
 Round-off can, in rare cases, make an honest record fail: a token whose logit sits within
@@ -268,7 +268,7 @@ class Verifier:
             if step.step != expected:  # the verdict names the missing step, not the one found next
                 problem = f"step {expected} is missing from the record (found step {step.step} next)"
                 verdicts.append(StepVerdict(expected, "", 0, 0, [], problems=[problem]))
-                break  # positions and the random stream no longer line up: nothing after can be trusted
+                break  # positions no longer line up: nothing after can be trusted
             verdict = StepVerdict(step.step, step.drafter, len(step.drafted), accepted, step.emitted)
             verdicts.append(verdict)
             if any(not 0 <= t < self.vocab for t in [*step.drafted, *step.emitted]):

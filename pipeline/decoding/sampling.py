@@ -50,11 +50,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.temperature == 0.0
 
 
-def make_rng(seed: int | None) -> tuple[np.random.Generator, int]:
-    """A per-request generator and the seed it used (drawn fresh when none was given)."""
+def request_seed(seed: int | None) -> int:
+    """The request's seed: the one asked for, or a fresh one (reported back, so the run can be
+    repeated); every random number of the request is keyed by it (`noise.uniform`)."""
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)  # type: ignore[operator]
-    return np.random.Generator(np.random.PCG64(seed)), seed
+    return seed
 
 
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.result import Result
-from pipeline.decoding.sampling import SamplingParams, make_rng
+from pipeline.decoding.sampling import SamplingParams, request_seed
 from pipeline.decoding.session import Session, check_prompt
 from pipeline.decoding.speculation import Speculation
 from pipeline.decoding.target import TargetState
@@ -37,7 +37,7 @@ def decode(
     speculation = Speculation(k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations)
     check_prompt(prompt_tokens, model.cfg.context_length)
     assert model.tokenizer is not None
-    _, seed = make_rng(params.seed)
+    seed = request_seed(params.seed)
     session = Session(model.tokenizer, model.cfg.context_length, prompt_tokens, params, speculation)
     target = TargetState(model, params, seed, capacity=session.capacity())
     drafter = GuardedDrafter(source.start(prompt_tokens, params, seed))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.decoding.sampling import make_rng
+from pipeline.decoding.sampling import request_seed
 from pipeline.decoding.session import PromptError, check_prompt
 from pipeline.decoding.speculation import Speculation, SpeculationError
 from pipeline.model.prompts import prompt_tokens
@@ -39,5 +39,5 @@ def admit(
         check_prompt(tokens, context_length)
     except PromptError as exc:
         return ErrorReply(kind="prompt_too_long" if tokens else "bad_request", message=str(exc))
-    _, seed = make_rng(msg.params.seed)
+    seed = request_seed(msg.params.seed)
     return Admitted(tokens, speculation, seed)
