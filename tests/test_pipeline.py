@@ -128,10 +128,22 @@ def test_seeded_sampling_equals_in_process_generation(pipeline: Pipeline, drafte
     assert done.stats.seed == 11
 
 
-@pytest.mark.parametrize("lane", ["verify", "draft", "audit", "orchestrator"])
-def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeline, lane: str) -> None:
-    # Long enough that the request is still running when a restarted lane is back for its second kill.
-    params = SamplingParams(max_tokens=400, ignore_eos=True)
+@pytest.mark.parametrize(
+    ("lane", "params", "drafter"),
+    [
+        # Long enough that the request is still running when a restarted lane is back for its second kill.
+        ("verify", SamplingParams(max_tokens=400, ignore_eos=True), "ngram"),
+        ("draft", SamplingParams(max_tokens=400, ignore_eos=True), "ngram"),
+        ("audit", SamplingParams(max_tokens=400, ignore_eos=True), "ngram"),
+        ("orchestrator", SamplingParams(max_tokens=400, ignore_eos=True), "ngram"),
+        # Seeded, with the cross-request drafter: still plain seeded decoding's tokens.
+        ("verify", SamplingParams(temperature=0.8, seed=5, max_tokens=400, ignore_eos=True), "suffix"),
+    ],
+    ids=["verify", "draft", "audit", "orchestrator", "verify-seeded"],
+)
+def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(
+    pipeline: Pipeline, lane: str, params: SamplingParams, drafter: str
+) -> None:
     ref = _reference(STORY, params, "none", 0)
     before = pipeline.lane(lane)
     kills: list[int] = []
@@ -155,7 +167,7 @@ def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(pipeline: Pipeli
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     with pipeline.client() as client:
-        request_id = client.submit(STORY, chat=True, params=params, drafter="ngram").request_id
+        request_id = client.submit(STORY, chat=True, params=params, drafter=drafter).request_id
         chunks, done = read_stream(client, request_id, on_chunk=count)
     assert done.error is None, done
     assert len(kills) == 2
