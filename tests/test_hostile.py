@@ -1,0 +1,581 @@
+"""A service you can trust (issue 13): hostile users and hostile input against one real pipeline.
+
+One pipeline serves the module, with an API key on its gateway, in a run directory whose parent
+every user can traverse: the run directory's own permissions are then the only barrier a probe
+running as another user meets (pytest's temporary directories are 0700 and would refuse it first,
+proving nothing). Each test checks that its attack fails *and* that the same move by the rightful
+owner succeeds, so none of them can pass by not trying.
+
+Covered elsewhere, not repeated here: a peer without the pipeline's certificate never reaches a
+TLS lane (tests/test_tls.py, `test_a_lanes_listener_refuses_a_peer_that_is_not_a_lane`,
+`test_a_client_without_the_pipelines_certificate_gets_no_answer`); unstructured garbage on every
+socket (tests/test_pipeline.py, `test_fuzzed_client_socket_answers_every_garbage_with_an_error`,
+`test_garbage_on_every_socket_disturbs_no_lane_and_no_request`); the run directory checks as unit
+tests (tests/test_run_dir.py); the gateway's 413 and 401 with no pipeline behind it
+(tests/test_gateway.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pynng
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.protocol.client import Client, PipelineError
+from pipeline.protocol.messages import ClientReply, Codec, ErrorReply, Submit, Submitted
+
+from .pipeline_harness import Pipeline, alive, running_pipeline
+from .test_gateway import _raw_post, assert_error, fetch_json
+from .test_pipeline import CODE, PROMPTS, _reference
+
+pytestmark = pytest.mark.slow
+
+NOBODY = 65534
+API_KEY = "hostile-suite-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LANE_NAMES = ("verify", "draft", "audit", "orchestrator", "gateway")
+
+
+@pytest.fixture(scope="module")
+def open_parent() -> Iterator[Path]:
+    """A directory every user can enter and read (0755), to hold the run directory."""
+    path = Path(tempfile.mkdtemp(prefix="speclanes-hostile-"))
+    os.chmod(path, 0o755)
+    (path / "readable.txt").write_text("anyone may read this\n")
+    os.chmod(path / "readable.txt", 0o644)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pipeline(open_parent: Path) -> Iterator[Pipeline]:
+    settings_ = [
+        "restart.initial_backoff=0.1",
+        "timeouts.client_idle=10",
+        "timeouts.poll_wait_max=1.0",  # a fuzzed poll for chunks that never come waits 1 s, not 10
+    ]
+    with running_pipeline(open_parent / "run", settings_, {"SPECLANES_API_KEY": API_KEY}) as p:
+        yield p
+
+
+# --- another user on the same host -------------------------------------------------------
+
+
+def as_user(uid: int | None, probe: str, *args: str) -> list[str]:
+    """Lines printed by `probe` (Python) run as `uid` (None: as ourselves, the control). The probe's
+    imports happen before the switch (the interpreter lives under /root, 0700); it prints `ready`
+    once it runs as that user, so a probe that died early cannot pass for one that was refused."""
+    switch = f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n" if uid is not None else ""
+    code = PROBE_PRELUDE + switch + "print('ready', os.getuid(), flush=True)\n" + probe
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"ready {os.getuid() if uid is None else uid}", done.stdout
+    return lines[1:]
+
+
+PROBE_PRELUDE = """
+import os, sys
+import pynng
+from pipeline.protocol.messages import ClientReply, Codec, StatusQuery, encode
+"""
+
+READ_PROBE = """
+def attempt(name, action):
+    try:
+        action()
+        print(name, 'allowed')
+    except PermissionError:
+        print(name, 'denied')
+
+parent, run, *files = sys.argv[1:]
+attempt('control', lambda: open(parent + '/readable.txt').read())
+attempt('list', lambda: os.listdir(run))
+for path in files:
+    attempt(os.path.basename(path), lambda: open(path, 'rb').read(1))
+"""
+
+DIAL_PROBE = """
+for address in sys.argv[1:]:
+    name = address.rsplit('/', 1)[-1]
+    client = name.startswith('client')
+    try:
+        with (pynng.Req0 if client else pynng.Push0)(recv_timeout=3000, send_timeout=3000) as sock:
+            sock.dial(address, block=True)
+            if client:
+                sock.send(encode(StatusQuery()))
+                print(name, 'answered', type(Codec(ClientReply).decode(sock.recv())).__name__)
+            else:
+                sock.send(b'garbage from ' + str(os.getuid()).encode())
+                print(name, 'sent')
+    except pynng.NNGException as exc:
+        print(name, 'refused', type(exc).__name__)
+"""
+
+
+def root_only() -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a probe as another user (uid 65534); run as root to check this")
+
+
+def test_another_user_cannot_read_the_run_directory_or_its_files(
+    pipeline: Pipeline, open_parent: Path
+) -> None:
+    root_only()
+    config = pipeline.config
+    files = [str(pipeline.run_dir / "config.json"), config.run.journal, config.audit.path]
+    files += [str(pipeline.run_dir / "supervisor.log"), str(pipeline.run_dir / "verify.log")]
+    names = [Path(f).name for f in files]
+    assert all(Path(f).parent == pipeline.run_dir for f in files), files
+    ours = as_user(None, READ_PROBE, str(open_parent), str(pipeline.run_dir), *files)
+    assert ours == [f"{what} allowed" for what in ("control", "list", *names)]
+    theirs = as_user(NOBODY, READ_PROBE, str(open_parent), str(pipeline.run_dir), *files)
+    assert theirs == ["control allowed"] + [f"{what} denied" for what in ("list", *names)]
+
+
+def test_another_user_cannot_dial_any_socket_and_the_pipeline_hears_nothing(pipeline: Pipeline) -> None:
+    root_only()
+    addresses = pipeline.config.addresses
+    dialed = [addresses.client, addresses.data, addresses.control]
+    assert all(a.startswith("ipc://") and str(pipeline.run_dir) in a for a in dialed)
+
+    def garbage_faults() -> list[str]:
+        return [
+            f.message
+            for f in pipeline.status().faults
+            if f.kind == "bad_request" and f.lane == "orchestrator"
+        ]
+
+    before = garbage_faults()
+    theirs = as_user(NOBODY, DIAL_PROBE, *dialed)
+    assert [line.split()[1] for line in theirs] == ["refused"] * 3, theirs
+    time.sleep(1.0)  # what was sent would have been reported by now (the control below is)
+    assert garbage_faults() == before
+    # The control: the same probe as the pipeline's own user is answered, and its garbage reported.
+    ours = as_user(None, DIAL_PROBE, *dialed)
+    assert ours == ["client.ipc answered StatusReport", "data.ipc sent", "control.ipc sent"]
+    deadline = time.monotonic() + 10
+    while len(garbage_faults()) < len(before) + 2:
+        assert time.monotonic() < deadline, "the owner's garbage was never reported"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["start", "start-detach"])
+@pytest.mark.parametrize("hijack", ["world-writable", "another-users", "symlink"])
+def test_start_refuses_a_run_directory_someone_else_prepared(
+    pipeline: Pipeline, open_parent: Path, hijack: str, detach: bool
+) -> None:
+    """An attacker who creates the run directory first (0777, or theirs, or a link to theirs) would
+    own the sockets' directory: `start` must refuse it, at once and in one line, touching nothing."""
+    trap = Path(tempfile.mkdtemp(prefix="trap-", dir=open_parent))
+    run_dir = trap
+    if hijack == "world-writable":
+        os.chmod(trap, 0o777)
+        problem = "is writable by others (mode 777): refusing it"
+    elif hijack == "another-users":
+        root_only()
+        os.chown(trap, NOBODY, NOBODY)
+        problem = f"belongs to uid {NOBODY}, not to you: refusing it"
+    else:
+        run_dir = open_parent / f"link-{trap.name}"
+        run_dir.symlink_to(trap)
+        problem = "is not a directory (a symlink?): refusing it"
+    command = [sys.executable, "-m", "pipeline.cli", "start", *(["--detach"] if detach else [])]
+    started = time.monotonic()
+    out = subprocess.run(
+        [*command, f"--set=run.dir={run_dir}", "--set=gateway.port=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - started
+    assert out.returncode == 2 and out.stderr == f"speclanes: error: the run directory {run_dir} {problem}\n"
+    assert elapsed < 2, f"refused after {elapsed:.2f} s"
+    assert list(trap.iterdir()) == []  # no lock, no log, no socket left in the attacker's directory
+    # The control: the module's pipeline started in a directory it made itself, and serves.
+    assert pipeline.status().lanes
+
+
+def test_another_client_cannot_poll_or_cancel_a_request_knowing_only_its_id(pipeline: Pipeline) -> None:
+    params = SamplingParams(max_tokens=40)
+    ref = _reference(CODE, params, "none", 0)
+    with pipeline.client() as owner, pipeline.client() as stranger:
+        submitted = owner.submit(CODE, chat=True, params=params, drafter="ngram")
+        request_id = submitted.request_id
+        stream = owner.chunks(request_id)
+        first = next(stream)  # the owner can poll
+        assert not isinstance(first, Result) and first.seq == 0
+        for secret in (None, "", "0" * 32, submitted.secret[:-1], submitted.secret + "0"):
+            with pytest.raises(PipelineError) as polled:
+                next(stranger.chunks(request_id, secret=secret))
+            assert polled.value.kind == "unknown_request"
+            with pytest.raises(PipelineError) as cancelled:
+                stranger.cancel(request_id, secret=secret)
+            assert cancelled.value.kind == "unknown_request"
+            assert "secret" not in polled.value.message + cancelled.value.message
+        rest = list(stream)
+        done = rest[-1]
+        assert isinstance(done, Result) and done.finish_reason != "cancelled"
+        assert done.tokens == ref.tokens
+        assert "".join(c.text for c in [first, *rest[:-1]]) == ref.text  # type: ignore[union-attr]
+        # With the secret (handed over by its owner), another connection resumes the whole stream.
+        resumed = list(stranger.chunks(request_id, secret=submitted.secret))
+        assert resumed[-1] == done and [c.seq for c in resumed[:-1]] == list(range(len(resumed) - 1))
+        # ... and cancels: a second request, cancelled by the stranger holding its secret.
+        long = owner.submit(CODE, chat=True, params=SamplingParams(max_tokens=2000, ignore_eos=True))
+        stranger.cancel(long.request_id, secret=long.secret)
+        *_, ended = owner.chunks(long.request_id)
+        assert isinstance(ended, Result) and ended.finish_reason == "cancelled"
+
+
+# --- the gateway's API key, end to end ---------------------------------------------------
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    return fetch_json(url, json.dumps(body).encode(), headers=headers)
+
+
+def test_the_gateway_answers_401_without_the_key_and_serves_with_it(pipeline: Pipeline) -> None:
+    url, model = pipeline.gateway_url, pipeline.config.model_id()
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": CODE}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    before = pipeline.status().totals.runs
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, answer = post(f"{url}/v1/chat/completions", body, headers)
+        assert status == 401, (headers, answer)
+        assert_error(answer, code="invalid_api_key")
+    assert post(f"{url}/v1/completions", {"prompt": "hi", "max_tokens": 4})[0] == 401
+    assert fetch_json(f"{url}/health")[0] == 200  # health needs no key
+    status, answer = post(f"{url}/v1/chat/completions", body, AUTH)
+    assert status == 200, answer
+    assert (
+        answer["choices"][0]["message"]["content"]
+        == _reference(CODE, SamplingParams(max_tokens=16), "none", 0).text
+    )
+    # Only the keyed request reached the pipeline.
+    pipeline.wait_until(lambda r: r.totals.runs == before + 1, timeout=10, what="one run counted")
+
+
+# --- bounded memory ----------------------------------------------------------------------
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def lane_pids(pipeline: Pipeline) -> dict[str, int]:
+    report = pipeline.status()
+    assert all(lane.state == "up" for lane in report.lanes), [(x.name, x.state) for x in report.lanes]
+    return {lane.name: lane.pid for lane in report.lanes if lane.pid}
+
+
+def rss_of(pids: dict[str, int]) -> dict[str, int]:
+    return {name: rss_kib(pid) for name, pid in pids.items()}
+
+
+def settle_rss(pids: dict[str, int], idle: dict[str, int], slack: float, timeout: float) -> dict[str, int]:
+    """The lanes' RSS once every one is within `slack` of `idle`, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = rss_of(pids)
+        if all(now[name] <= idle[name] * (1 + slack) for name in pids) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def report_rss(title: str, idle: dict[str, int], *stages: tuple[str, dict[str, int]]) -> None:
+    print(f"\n{title} (VmRSS, MiB)")
+    for name in idle:
+        figures = "  ".join(f"{stage} {values[name] / 1024:7.1f}" for stage, values in stages)
+        print(f"  {name:<12} idle {idle[name] / 1024:7.1f}  {figures}")
+
+
+def run_concurrently(jobs: list[Callable[[], Any]], timeout: float = 180) -> list[Any]:
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    return results
+
+
+def eight_streams_equal_in_process(pipeline: Pipeline) -> None:
+    params = SamplingParams(max_tokens=24)
+
+    def one(i: int) -> Callable[[], Result]:
+        def run() -> Result:
+            with pipeline.client(timeout=60) as client:
+                return client.complete(PROMPTS[i % 4], chat=True, params=params, drafter="ngram")
+
+        return run
+
+    for i, done in enumerate(run_concurrently([one(i) for i in range(8)])):
+        assert done.tokens == _reference(PROMPTS[i % 4], params, "none", 0).tokens
+
+
+def warm_up(pipeline: Pipeline) -> None:
+    """A request through each way in, so caches and allocator pools are in use before `idle`."""
+    eight_streams_equal_in_process(pipeline)
+    body = {"model": pipeline.config.model_id(), "prompt": CODE, "max_tokens": 8}
+    assert post(f"{pipeline.gateway_url}/v1/completions", body, AUTH)[0] == 200
+
+
+def idle_after(pipeline: Pipeline) -> dict[str, int]:
+    pipeline.wait_until(lambda r: r.active_requests == 0 and r.queued_requests == 0, what="idle")
+    time.sleep(2.0)
+    return rss_of(lane_pids(pipeline))
+
+
+def near_cap_submits(cap: int, count: int) -> list[Submit]:
+    """Submits just under admission.max_message_bytes that the orchestrator must take: a short
+    prompt asking for 10**9 tokens, padded with a huge idempotency key, trace context or stop list."""
+    room = cap - 64 * 1024
+    submits = []
+    for i in range(count):
+        params = SamplingParams(max_tokens=10**9, ignore_eos=True)
+        pad = f"{i:04d}" + "k" * (room - 4)
+        if i % 3 == 0:
+            submit = Submit(prompt=CODE, chat=True, params=params, idempotency_key=pad)
+        elif i % 3 == 1:
+            submit = Submit(prompt=CODE, chat=True, params=params, trace={"traceparent": "00-x", "junk": pad})
+        else:
+            stop = tuple(f"{i}-{n}-" + "s" * 1000 for n in range(room // 1100))
+            params = SamplingParams(max_tokens=10**9, ignore_eos=True, stop=stop)
+            submit = Submit(prompt=CODE, chat=True, params=params)
+        submits.append(submit)
+    return submits
+
+
+def test_huge_bodies_and_max_tokens_leave_every_lanes_memory_where_it_was(pipeline: Pipeline) -> None:
+    warm_up(pipeline)
+    pids = lane_pids(pipeline)
+    assert {"verify", "draft", "audit", "orchestrator", "gateway"} <= set(pids)
+    idle = idle_after(pipeline)
+    model, cap = pipeline.config.model_id(), pipeline.config.gateway.max_body_bytes
+    # 100 bodies over the gateway's cap, asking for 10**9 tokens: refused from the headers, or
+    # (chunked) cut off as they pass the cap.
+    body = json.dumps({"model": model, "prompt": "x" * (cap + 1000), "max_tokens": 10**9}).encode()
+    for i in range(100):
+        if i % 2:
+            head = b"Content-Length: %d\r\n\r\n" % len(body)
+            payload = body
+        else:
+            head = b"Transfer-Encoding: chunked\r\n\r\n"
+            payload = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n" % API_KEY.encode()
+        )
+        status, _, answer = _raw_post(pipeline.gateway_url, request + head, payload)
+        assert status == 413, answer
+    after_http = rss_of(pids)
+    # Near the orchestrator's cap, over nng: admitted (they fit), queued, clamped to the context; then
+    # cancelled by their owner.
+    limit = pipeline.config.admission.max_message_bytes
+    with Client(pipeline.config.addresses.client, timeout=60, max_message_bytes=limit) as client:
+        submitted = [client.request(s) for s in near_cap_submits(limit, 30)]
+        report = pipeline.status()
+        assert report.active_requests + report.queued_requests == 30
+        for sub in submitted:
+            client.cancel(sub.request_id)
+        for sub in submitted:
+            *_, done = client.chunks(sub.request_id)
+            assert isinstance(done, Result) and done.finish_reason == "cancelled"
+    after_nng = rss_of(pids)
+    eight_streams_equal_in_process(pipeline)
+    assert lane_pids(pipeline) == pids  # nobody died on the way
+    pipeline.wait_until(lambda r: r.active_requests == 0 and r.queued_requests == 0, what="idle")
+    settled = settle_rss(pids, idle, 0.10, timeout=20)
+    report_rss(
+        "huge bodies and max_tokens", idle, ("after-413s", after_http), ("after-near-cap", after_nng),
+        ("settled", settled),
+    )  # fmt: skip
+    grown = {name: f"{idle[name] / 1024:.1f} -> {settled[name] / 1024:.1f} MiB" for name in pids
+             if settled[name] > idle[name] * 1.10}  # fmt: skip
+    assert not grown, f"RSS did not return within 10% of idle: {grown}"
+
+
+# --- structured fuzzing ------------------------------------------------------------------
+
+BIG_INTS = st.one_of(
+    st.integers(-(2**63), 2**63 - 1),
+    st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, -(2**63)]),
+)
+FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-320, 1e308]),
+)
+TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "\x00", "auto", "none", "ngram", "🦀" * 10]))
+
+
+@st.composite
+def big_list(draw: st.DrawFn, item: Any, limit: int = 200_000) -> list[Any]:
+    """Short lists from `item` mostly; now and then an enormous one (still within the message cap)."""
+    if draw(st.integers(0, 9)) == 0:
+        return [draw(item)] * draw(st.integers(1000, limit))
+    return draw(st.lists(item, max_size=8))
+
+
+def maybe(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(st.none(), strategy)
+
+
+PARAMS = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": FLOATS, "top_k": BIG_INTS, "top_p": FLOATS, "seed": maybe(BIG_INTS),
+        "max_tokens": st.one_of(BIG_INTS, st.integers(1, 4)), "stop": big_list(TEXT, 20_000),
+        "ignore_eos": st.booleans(),
+    },
+)  # fmt: skip
+SUBMITS = st.fixed_dictionaries(
+    {"type": st.just("Submit")},
+    optional={
+        "version": st.sampled_from([1, 0, 2, -1, 2**63 - 1]), "prompt": maybe(TEXT),
+        "messages": maybe(big_list(st.dictionaries(TEXT, TEXT, max_size=3), 50_000)),
+        "chat": st.booleans(), "params": PARAMS, "drafter": maybe(TEXT), "k": maybe(BIG_INTS),
+        "max_iterations": maybe(BIG_INTS), "trace": st.dictionaries(TEXT, TEXT, max_size=3),
+        "idempotency_key": TEXT, "owner": TEXT,
+    },
+)  # fmt: skip
+
+
+@st.composite
+def client_messages(draw: st.DrawFn, live: tuple[str, str]) -> dict[str, Any]:
+    """A valid-shaped client message with hostile values; polls and cancels name unknown ids, or
+    the live request's id with a wrong secret or (to reach past the ownership check) the right one."""
+    kind = draw(st.sampled_from(["Submit", "Poll", "Cancel", "StatusQuery"]))
+    if kind == "Submit":
+        return draw(SUBMITS)
+    if kind == "StatusQuery":
+        return {"type": kind}
+    request_id, secret = draw(
+        st.one_of(
+            st.tuples(TEXT, TEXT),
+            st.tuples(st.just(live[0]), TEXT),
+            st.just(live),
+        )
+    )
+    message = {"type": kind, "request_id": request_id, "secret": secret}
+    if kind == "Poll":
+        message["after"] = draw(BIG_INTS)
+        message["wait"] = draw(st.one_of(FLOATS, st.sampled_from([0.0, 0.01, -1.0])))
+    return message
+
+
+SLOW_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+ERROR_KINDS = {"bad_request", "prompt_too_long", "overloaded", "unknown_request"}
+
+
+def lane_health(pipeline: Pipeline) -> tuple[dict[str, tuple[int | None, int, str]], dict[str, int]]:
+    report = pipeline.status()
+    return {lane.name: (lane.pid, lane.restarts, lane.state) for lane in report.lanes}, rss_of(
+        lane_pids(pipeline)
+    )
+
+
+def assert_unharmed(pipeline: Pipeline, before: tuple[dict, dict], title: str) -> None:
+    """Same processes, all up; the orchestrator answers status; each still serves the right output;
+    no lane's RSS grew by more than 10%."""
+    lanes_before, rss_before = before
+    pipeline.wait_until(lambda r: r.active_requests == 0 and r.queued_requests == 0, what="idle", timeout=60)
+    params = SamplingParams(max_tokens=16)
+    with pipeline.client() as client:
+        assert client.complete(CODE, chat=True, params=params, drafter="ngram").tokens == (
+            _reference(CODE, params, "none", 0).tokens
+        )
+    lanes_after, _ = lane_health(pipeline)
+    assert lanes_after == lanes_before
+    assert all(alive(pid) for pid, _, _ in lanes_after.values() if pid)
+    pids = lane_pids(pipeline)
+    settled = settle_rss(pids, rss_before, 0.10, timeout=15)
+    report_rss(title, rss_before, ("after", settled))
+    grown = {n: f"{rss_before[n] / 1024:.1f} -> {settled[n] / 1024:.1f} MiB" for n in pids
+             if settled[n] > rss_before[n] * 1.10}  # fmt: skip
+    assert not grown, f"RSS grew by more than 10%: {grown}"
+
+
+@pytest.fixture(scope="module")
+def live_request(pipeline: Pipeline) -> Iterator[Submitted]:
+    """A long request running while the client socket is fuzzed, so fuzzed polls and cancels can
+    name a request that exists."""
+    with pipeline.client() as client:
+        yield client.submit(CODE, chat=True, params=SamplingParams(max_tokens=2000, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def before_fuzzing(pipeline: Pipeline) -> tuple[dict, dict]:
+    warm_up(pipeline)
+    idle_after(pipeline)
+    return lane_health(pipeline)
+
+
+def _client_fuzz(pipeline: Pipeline, live: Submitted, max_examples: int) -> list[str]:
+    seen: list[str] = []
+    codec: Codec[Any] = Codec(ClientReply)
+
+    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=SLOW_CHECKS)
+    @given(message=client_messages((live.request_id, live.secret)))
+    def fuzz(message: dict[str, Any]) -> None:
+        data = msgspec.msgpack.encode(message)
+        assert len(data) < pipeline.config.admission.max_message_bytes
+        with pynng.Req0(
+            dial=pipeline.config.addresses.client, recv_timeout=30_000, send_timeout=10_000
+        ) as sock:
+            sock.send(data)
+            reply = codec.decode(sock.recv())
+            if isinstance(reply, Submitted):  # a hostile Submit that was admitted: its owner ends it
+                sock.send(msgspec.msgpack.encode({"type": "Cancel", "request_id": reply.request_id,
+                                                  "secret": reply.secret}))  # fmt: skip
+                codec.decode(sock.recv())
+        if isinstance(reply, ErrorReply):
+            assert reply.kind in ERROR_KINDS and reply.message, (message, reply)
+        seen.append(type(reply).__name__ if not isinstance(reply, ErrorReply) else reply.kind)
+
+    fuzz()
+    return seen
+
+
+def test_structured_fuzz_of_the_client_socket(
+    pipeline: Pipeline, before_fuzzing: tuple[dict, dict], live_request: Submitted
+) -> None:
+    started = time.monotonic()
+    seen = _client_fuzz(pipeline, live_request, max_examples=150)
+    print(f"\nclient socket: {len(seen)} messages in {time.monotonic() - started:.1f} s:",
+          {kind: seen.count(kind) for kind in sorted(set(seen))})  # fmt: skip
+    with pipeline.client() as client:
+        client.cancel(live_request.request_id, secret=live_request.secret)
+    assert_unharmed(pipeline, before_fuzzing, "after fuzzing the client socket")
