@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.client import Client, PipelineError
-from pipeline.protocol.messages import ClientReply, Codec, ErrorReply, Submit, Submitted
+from pipeline.protocol.messages import ClientReply, Codec, ErrorReply, Poll, Submit, Submitted
 
 from .pipeline_harness import Pipeline, alive, running_pipeline
 from .test_gateway import _raw_post, assert_error, fetch_json
@@ -241,6 +241,10 @@ def test_another_client_cannot_poll_or_cancel_a_request_knowing_only_its_id(pipe
         # With the secret (handed over by its owner), another connection resumes the whole stream.
         resumed = list(stranger.chunks(request_id, secret=submitted.secret))
         assert resumed[-1] == done and [c.seq for c in resumed[:-1]] == list(range(len(resumed) - 1))
+        # A NaN wait from the owner is a bad request, not an internal error (the client fuzz found it).
+        with pytest.raises(PipelineError) as nan_wait:
+            owner.call(Poll(request_id=request_id, secret=submitted.secret, wait=math.nan))
+        assert nan_wait.value.kind == "bad_request" and "wait" in nan_wait.value.message
         # ... and cancels: a second request, cancelled by the stranger holding its secret.
         long = owner.submit(CODE, chat=True, params=SamplingParams(max_tokens=2000, ignore_eos=True))
         stranger.cancel(long.request_id, secret=long.secret)
@@ -474,6 +478,19 @@ def maybe(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(st.none(), strategy)
 
 
+@st.composite
+def one_hostile(
+    draw: st.DrawFn, valid: st.SearchStrategy[dict[str, Any]], hostile: st.SearchStrategy[dict[str, Any]]
+) -> dict[str, Any]:
+    """A valid message with one field (or none) from `hostile`: each value meets the checks alone
+    rather than hiding behind another field's refusal."""
+    message, fields = draw(valid), draw(hostile)
+    if fields:
+        key = draw(st.sampled_from(sorted(fields)))
+        message[key] = fields[key]
+    return message
+
+
 PARAMS = st.fixed_dictionaries(
     {},
     optional={
@@ -494,22 +511,24 @@ SUBMITS = st.fixed_dictionaries(
 )  # fmt: skip
 
 
+VALID_SUBMIT = st.fixed_dictionaries({
+    "type": st.just("Submit"), "prompt": st.text(min_size=1, max_size=40), "chat": st.booleans(),
+    "params": st.fixed_dictionaries({"max_tokens": st.integers(1, 4)}),
+})  # fmt: skip
+
+
 @st.composite
 def client_messages(draw: st.DrawFn, live: tuple[str, str]) -> dict[str, Any]:
     """A valid-shaped client message with hostile values; polls and cancels name unknown ids, or
     the live request's id with a wrong secret or (to reach past the ownership check) the right one."""
     kind = draw(st.sampled_from(["Submit", "Poll", "Cancel", "StatusQuery"]))
     if kind == "Submit":
-        return draw(SUBMITS)
+        return draw(st.one_of(one_hostile(VALID_SUBMIT, SUBMITS), SUBMITS))
     if kind == "StatusQuery":
         return {"type": kind}
-    request_id, secret = draw(
-        st.one_of(
-            st.tuples(TEXT, TEXT),
-            st.tuples(st.just(live[0]), TEXT),
-            st.just(live),
-        )
-    )
+    whose = draw(st.sampled_from(["unknown", "wrong secret", "owner"]))
+    request_id = live[0] if whose != "unknown" else draw(TEXT)
+    secret = live[1] if whose == "owner" else draw(TEXT)
     message = {"type": kind, "request_id": request_id, "secret": secret}
     if kind == "Poll":
         message["after"] = draw(BIG_INTS)
@@ -613,7 +632,7 @@ ROWS = st.builds(
 FUZZ_PARAMS = st.fixed_dictionaries({"max_tokens": st.integers(1, 4)}, optional={"temperature": FLOATS})
 
 
-def work(kind: str, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+def work(kind: str, /, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
     """A work message (request id, step, trace) of `kind` for a request nobody knows."""
     base = {"type": st.just(kind), "request_id": UNKNOWN_ID, "step": BIG_INTS}
     return st.fixed_dictionaries(
@@ -621,7 +640,7 @@ def work(kind: str, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[
     )
 
 
-def shaped(kind: str, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+def shaped(kind: str, /, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
     return st.fixed_dictionaries({"type": st.just(kind), **fields})
 
 
@@ -686,7 +705,7 @@ def test_structured_fuzz_of_every_inbox(pipeline: Pipeline, before_fuzzing: tupl
     started = time.monotonic()
     try:
 
-        @settings(max_examples=250, deadline=None, database=None, suppress_health_check=SLOW_CHECKS)
+        @settings(max_examples=400, deadline=None, database=None, suppress_health_check=SLOW_CHECKS)
         @given(inbox=st.sampled_from(sorted(INBOXES)), data=st.data())
         def fuzz(inbox: str, data: st.DataObject) -> None:
             message = data.draw(INBOXES[inbox])
@@ -721,7 +740,7 @@ JSON_VALUES = st.recursive(
     max_leaves=12,
 )
 SMALL_OR_HOSTILE = st.one_of(
-    st.integers(0, 6), st.integers(2**31 - 1, 2**70), st.integers(-(2**70), -1), JSON_VALUES
+    st.integers(0, 6), st.integers(2**31, 2**70), st.integers(-(2**70), -1), JSON_VALUES
 )
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 COMMON = {
@@ -763,7 +782,21 @@ CHAT = st.fixed_dictionaries(
         "tools": JSON_VALUES, "response_format": JSON_VALUES,
     },
 )  # fmt: skip
+VALID_COMPLETION = st.fixed_dictionaries(
+    {"model": st.just(MODEL_ID), "prompt": st.text(min_size=1, max_size=40), "max_tokens": st.integers(1, 4)},
+    optional={"stream": st.booleans(), "temperature": st.floats(0, 2), "seed": st.integers(0, 2**32)},
+)
+USER_TURN = st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=40)})
+VALID_CHAT = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL_ID), "max_tokens": st.integers(1, 4),
+        "messages": st.lists(USER_TURN, min_size=1, max_size=2),
+    },
+    optional={"stream": st.booleans(), "temperature": st.floats(0, 2), "seed": st.integers(0, 2**32)},
+)  # fmt: skip
 HTTP_BODIES = st.one_of(
+    st.tuples(st.just("/v1/completions"), one_hostile(VALID_COMPLETION, COMPLETION)),
+    st.tuples(st.just("/v1/chat/completions"), one_hostile(VALID_CHAT, CHAT)),
     st.tuples(st.just("/v1/completions"), COMPLETION),
     st.tuples(st.just("/v1/chat/completions"), CHAT),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), JSON_VALUES),
