@@ -158,6 +158,8 @@ class OrchestratorLane:
         front, request_id = self.hub.front, msg.request_id
         if front.owned(request_id, msg.secret) is None:
             return unknown(request_id)
+        if math.isnan(msg.wait):  # trio refuses a NaN timeout: it was an "internal" error (test_hostile)
+            return ErrorReply(kind="bad_request", message="Poll.wait must be a number of seconds, got NaN")
         wait = min(max(msg.wait, 0.0), self.config.timeouts.poll_wait_max)
         front.poll_begins(request_id)
         try:

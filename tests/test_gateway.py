@@ -45,9 +45,12 @@ PROMPTS = [
 CURL_SCRIPT = Path(__file__).with_name("gateway_curl.sh")
 
 
-def fetch_json(url: str, body: bytes | None = None, timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
+def fetch_json(
+    url: str, body: bytes | None = None, timeout: float = 60.0, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
     """Status and JSON body of one request (POST when there is a body)."""
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())

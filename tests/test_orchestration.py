@@ -544,6 +544,27 @@ def test_admit_is_pure_and_open_begins_what_it_admitted(world, model):
     assert finished(world, reply.request_id).tokens == reference(model, GREEDY).tokens
 
 
+@pytest.mark.parametrize(
+    ("field", "msg"),
+    [
+        ("idempotency_key", Submit(prompt=PROMPT, idempotency_key="k" * 257)),
+        ("owner", Submit(prompt=PROMPT, owner="gateway:" + "1" * 300)),
+        ("stop", Submit(prompt=PROMPT, params=SamplingParams(stop=tuple("abcdefghijklmnopq")))),
+        ("stop string", Submit(prompt=PROMPT, params=SamplingParams(stop=("s" * 1025,)))),
+    ],
+)
+def test_fields_a_request_keeps_are_refused_when_too_large_to_keep(world, field, msg):
+    """A finished request is kept for timeouts.retain with its key, owner and stop strings: at near-cap
+    sizes, submitting and cancelling such requests would hold megabytes each (test_hostile found it)."""
+    reply = world.hub.admit(msg)
+    assert isinstance(reply, ErrorReply) and reply.kind == "bad_request"
+    assert field in reply.message, reply.message
+    at_limit = msgspec.structs.replace(
+        msg, idempotency_key="k" * 256, owner="", params=SamplingParams(stop=("s" * 1024,) * 16)
+    )
+    assert not isinstance(world.hub.admit(at_limit), ErrorReply)
+
+
 def test_a_shutdown_while_a_prompt_is_tokenized_still_refuses_it(world):
     msg = Submit(prompt=PROMPT, params=GREEDY)
     admitted = world.hub.admit(msg)

@@ -89,22 +89,6 @@ def test_one_lock_holder_at_a_time_and_the_kernel_frees_it_on_death(tmp_path):
     assert running_supervisor(run_dir) is None and not pid_path(run_dir).exists()
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
-def test_another_user_cannot_read_the_run_directory_or_reach_its_files(tmp_path):
-    os.chmod(tmp_path, 0o755)
-    run_dir = secure(tmp_path / "run")
-    (run_dir / "config.json").write_text("{}")
-    probe = (
-        "import os, sys\n"
-        "os.setgid(65534); os.setuid(65534)\n"
-        "run = sys.argv[1]\n"
-        "for action in (lambda: os.listdir(run), lambda: open(run + '/config.json').read()):\n"
-        "    try:\n"
-        "        action(); print('allowed')\n"
-        "    except PermissionError:\n"
-        "        print('denied')\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe, str(run_dir)], capture_output=True, text=True, check=True
-    )
-    assert out.stdout.split() == ["denied", "denied"]
+# Another user cannot list or read the run directory of a real pipeline, nor dial its sockets:
+# tests/test_hostile.py (in a parent directory that user can enter, so the run directory's own mode
+# is what refuses them).
