@@ -271,6 +271,22 @@ def test_a_client_resumes_after_any_chunk_until_the_retention_time(world):
     assert isinstance(front.chunks(request_id, -1, world.secrets[request_id]), ErrorReply)
 
 
+def test_finished_requests_beyond_the_retention_cap_go_oldest_first(model, tmp_path):
+    config = msgspec.structs.replace(
+        Config(), admission=msgspec.structs.replace(Config().admission, max_retained=2)
+    )
+    world = World(model, config=config, journal_path=str(tmp_path / "journal.sqlite"))
+    world.up()
+    ids = []
+    for _ in range(4):
+        ids.append(world.submit(PROMPT, params=SamplingParams(max_tokens=3, ignore_eos=True)))
+        finished(world, ids[-1])
+        world.tick(0.1)
+    assert sorted(world.hub.front.requests) == sorted(ids[2:])  # the two newest are kept
+    assert [r.opened.request_id for r in world.hub.journal.recover().requests] == ids[2:]
+    assert isinstance(world.hub.front.chunks(ids[0], -1, world.secrets[ids[0]]), ErrorReply)
+
+
 def test_a_request_nobody_polls_is_cancelled(world):
     request_id = world.submit(PROMPT, params=SamplingParams(max_tokens=500, ignore_eos=True))
     world.run(until=6)

@@ -98,11 +98,15 @@ class ClientFront:
             if not t.machine.done and not t.pollers and now - t.last_poll > idle
         ]
 
-    def forget_expired(self, now: float) -> list[str]:
+    def forget_expired(self, now: float, keep_at_most: int) -> list[str]:
+        """Finished requests past their retention, and the oldest finished ones beyond
+        `keep_at_most`: the ids forgotten."""
         retain = self.timeouts.retain
-        expired = [
-            r for r, t in self.requests.items() if t.finished_at is not None and now - t.finished_at > retain
-        ]
+        finished = sorted(
+            (t.finished_at, r) for r, t in self.requests.items() if t.finished_at is not None
+        )  # fmt: skip
+        excess = max(len(finished) - keep_at_most, 0)
+        expired = [r for i, (at, r) in enumerate(finished) if i < excess or now - at > retain]
         for request_id in expired:
             del self.requests[request_id]
         if expired:

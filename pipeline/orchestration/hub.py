@@ -229,7 +229,7 @@ class Hub:
         for machine in self.front.abandoned(now):
             log.info("client of %s went away: cancelling", machine.id)
             sends += self._run(machine, machine.cancel(now), now)
-        for request_id in self.front.forget_expired(now):
+        for request_id in self.front.forget_expired(now, self.config.admission.max_retained):
             self.journal.forget(request_id)
         for lane in self.lanes.stalled(now, self.config.restart.hang_seconds):
             message = f"no heartbeat for {self.config.restart.hang_seconds:g} s: not counted as up"

@@ -177,8 +177,13 @@ class Admission(Section):
     # that sends a larger one before it is read. Keep it above gateway.max_body_bytes (a Submit
     # encodes a JSON body in about as many bytes).
     max_message_bytes: int = 2 << 20
+    # Finished requests kept for resuming (each until timeouts.retain has passed); past this many the
+    # oldest go first, so submit-and-cancel at any rate holds a bounded amount of memory.
+    max_retained: int = 1024
 
     def __post_init__(self) -> None:
+        if self.max_retained < 1:
+            raise ValueError(f"admission.max_retained must be >= 1, got {self.max_retained}")
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError(
                 f"admission.max_running must be >= 1 and max_queued >= 0, got {self.max_running} "
