@@ -45,7 +45,8 @@ class Stream(threading.Thread):
     def __init__(self, pipeline: Pipeline, prompt: str, params: SamplingParams) -> None:
         super().__init__(daemon=True)
         self.client = pipeline.client(timeout=60)
-        self.request_id = self.client.submit(prompt, params=params).request_id
+        self.submitted = self.client.submit(prompt, params=params)
+        self.request_id = self.submitted.request_id
         self.arrivals: list[float] = []
         self.done: Result | None = None
         self.failed: Exception | None = None
@@ -64,7 +65,7 @@ class Stream(threading.Thread):
 
     def cancel(self, pipeline: Pipeline) -> None:
         with pipeline.client() as client:
-            client.cancel(self.request_id)
+            client.cancel(self.request_id, secret=self.submitted.secret)  # its owner's secret
 
     def result(self) -> Result:
         self.join(60)

@@ -37,7 +37,7 @@ PROMPTS = [
     "List five uses of a paperclip.",
     "What is the capital of France? Explain its history.",
 ]
-PARAMS = SamplingParams(max_tokens=160, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=120, ignore_eos=True)
 CLIENTS = 8
 KILLS = 3
 

@@ -31,7 +31,7 @@ from pipeline.decoding.speculative import decode
 from pipeline.model import default_model_path
 from pipeline.model.prompts import prompt_tokens
 from pipeline.protocol.client import PipelineError
-from pipeline.protocol.config import Restart, load_config
+from pipeline.protocol.config import load_config
 from pipeline.protocol.messages import (
     AuditAck,
     ClientReply,
@@ -595,17 +595,18 @@ def test_a_second_start_on_the_run_directory_fails_at_once_and_leaves_the_first_
 STOPPED_LANES = [("verify", "none", 0), ("draft", "ngram", 4), ("audit", "none", 0)]
 
 
-@pytest.mark.parametrize("hang", [2.0, None], ids=["hang2s", "hang-default"])
+# The default restart.hang_seconds (5 s) scales the same figures (measured: noticed after 4.8 to
+# 5.0 s, replaced after 6.3 to 7.7 s; README) and costs CI about 30 s a lane, so CI runs 2 s.
+@pytest.mark.parametrize("hang", [2.0], ids=["hang2s"])
 @pytest.mark.parametrize(("lane", "drafter", "k"), STOPPED_LANES, ids=[lane for lane, _, _ in STOPPED_LANES])
 def test_a_stopped_lane_is_noticed_killed_and_replaced_and_the_stream_is_unchanged(
     tmp_path, lane: str, drafter: str, k: int, hang: float | None
 ) -> None:
-    """SIGSTOP a lane mid-stream, stopped for good: within restart.hang_seconds (2 s, and the default
-    5 s) `status` stops calling it up, the supervisor kills and restarts it, the request ends as an
-    undisturbed run (re-primed for verify, plain steps for draft, events re-sent for audit) and its
-    audit trail holds every step once."""
-    settings_ = ["gateway.enabled=false", *([f"restart.hang_seconds={hang}"] if hang else [])]
-    hang = hang or Restart().hang_seconds
+    """SIGSTOP a lane mid-stream, stopped for good: within restart.hang_seconds `status` stops
+    calling it up, the supervisor kills and restarts it, the request ends as an undisturbed run
+    (re-primed for verify, plain steps for draft, events re-sent for audit) and its audit trail
+    holds every step once."""
+    settings_ = ["gateway.enabled=false", f"restart.hang_seconds={hang}"]
     params = SamplingParams(max_tokens=160, ignore_eos=True)
     ref = _reference(STORY, params, "none", 0)
     with running_pipeline(tmp_path / "run", settings_) as pipe:

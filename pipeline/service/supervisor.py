@@ -44,6 +44,7 @@ from pipeline.service.run_dir import PRIVATE_UMASK, RunLock
 log = logging.getLogger(__name__)
 REANNOUNCE_SECONDS = 2.0
 UNDELIVERED_KEPT = 256
+COURIER_PATIENCE = 1.0  # seconds one hand-over may wait before the courier logs and tries again
 Announcement = LaneUp | LaneDown | LaneFailed | Fault | Shutdown
 
 MODULES = {
@@ -53,7 +54,6 @@ MODULES = {
     "audit": "lanes.audit",
     "gateway": "lanes.gateway",
 }
-# A failure is announced again this often: the control lane drops what it cannot deliver.
 
 
 class Supervisor:
@@ -65,9 +65,8 @@ class Supervisor:
         self.failed: dict[str, LaneFailed] = {}
         # What the control lane could not take (the orchestrator is down or restarting): delivered,
         # in order, once it can. The orchestrator's own death reaches its successor this way.
-        self.undelivered: collections.deque[LaneUp | LaneDown | LaneFailed | Fault | Shutdown] = (
-            collections.deque(maxlen=UNDELIVERED_KEPT)
-        )
+        self.undelivered: collections.deque[Announcement] = collections.deque(maxlen=UNDELIVERED_KEPT)
+        self.wake_courier = trio.Event()
         self.control = Outbox(config.addresses.control, config.tls)
         self.telemetry = Telemetry.configure("supervisor", config.telemetry.dir, config.run_id())
         self.restarts = self.telemetry.meter.create_counter(
@@ -78,15 +77,26 @@ class Supervisor:
         self.hang_kills: dict[int, str] = {}  # pid -> why watch_heartbeat killed it
 
     def announce(self, message: Announcement) -> None:
+        """Hand it over now if the control lane takes it and nothing waits before it; else it
+        waits its turn for the courier."""
+        if not self.undelivered and self.control.put_nowait(message):
+            return
         self.undelivered.append(message)
-        self.deliver()
+        self.wake_courier.set()
 
-    def deliver(self) -> None:
-        while self.undelivered:
-            if not self.control.put_nowait(self.undelivered[0]):
+    async def courier(self) -> None:
+        """What the control lane could not take at once (a message still in flight on its pipe, the
+        orchestrator restarting), delivered in order as soon as it can be."""
+        while True:
+            if not self.undelivered:
+                self.wake_courier = trio.Event()
+                await self.wake_courier.wait()
+                continue
+            try:
+                await self.control.put(self.undelivered[0], timeout=COURIER_PATIENCE)
+                self.undelivered.popleft()
+            except trio.TooSlowError:
                 log.info("control lane not connected; %d messages wait", len(self.undelivered))
-                return
-            self.undelivered.popleft()
 
     async def keep_running(self, name: str, config_path: Path) -> None:
         restart = self.config.restart
@@ -147,7 +157,6 @@ class Supervisor:
         lane said while the orchestrator was down (restarting) is lost, and its history lives here."""
         while True:
             await trio.sleep(REANNOUNCE_SECONDS)
-            self.deliver()
             if self.undelivered:
                 continue  # nobody is listening: the next round announces them
             for name, proc in list(self.children.items()):
@@ -229,6 +238,7 @@ class Supervisor:
                     for name in self.config.processes():
                         nursery.start_soon(self.keep_running, name, config_path)
                     nursery.start_soon(self.reannounce)
+                    nursery.start_soon(self.courier)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
                         self.announce(Shutdown(reason=signal.Signals(signum).name))
