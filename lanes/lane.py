@@ -29,6 +29,7 @@ from pipeline.protocol.messages import Fault, FaultKind, Heartbeat, SpeculativeS
 from pipeline.protocol.transport import Outbox
 
 log = logging.getLogger(__name__)
+REPLY_BUFFER = 256  # replies a lane's data Outbox holds while its pipe writes the ones before
 
 
 class LaneContext:
@@ -44,7 +45,8 @@ class LaneContext:
         """The lane's Outbox to the orchestrator's data inbox. Heartbeats wait until it is connected:
         "up" must mean that a reply sent now arrives, and a restarted lane's dialer may still be in
         its reconnect back-off when its first heartbeat would go out (a draft then is lost)."""
-        self.data = Outbox(self.config.addresses.data, self.config.tls)
+        # A burst of replies (drafts for 8 requests at once) must not fail behind each other.
+        self.data = Outbox(self.config.addresses.data, self.config.tls, buffer=REPLY_BUFFER)
         return self.data
 
     def fault(

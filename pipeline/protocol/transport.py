@@ -54,8 +54,11 @@ def listen(
     return sock
 
 
-def dial(kind: type[pynng.Socket], address: str, tls: Tls | None = None) -> pynng.Socket:
-    sock = kind(**OPTIONS, **socket_options(address, tls, server=False))
+def dial(kind: type[pynng.Socket], address: str, tls: Tls | None = None, buffer: int = 0) -> pynng.Socket:
+    """`buffer`: messages the socket holds while its pipe is still writing the previous ones. With
+    none, a non-blocking send right behind another fails (measured: 168 of 200 back-to-back)."""
+    extra = {"send_buffer_size": buffer} if buffer else {}
+    sock = kind(**OPTIONS, **extra, **socket_options(address, tls, server=False))
     sock.dial(address, block=False)  # connects (and reconnects) in the background
     return sock
 
@@ -128,9 +131,9 @@ class Outbox:
     """A dialing Push socket. `put` waits (bounded) for a connected peer; a message that
     cannot be handed over in time raises trio.TooSlowError for the caller to retry."""
 
-    def __init__(self, address: str, tls: Tls | None = None) -> None:
+    def __init__(self, address: str, tls: Tls | None = None, buffer: int = 0) -> None:
         self.address = address
-        self.sock = dial(pynng.Push0, address, tls)
+        self.sock = dial(pynng.Push0, address, tls, buffer)
         self._lock = trio.Lock()
 
     async def put(self, message: msgspec.Struct, timeout: float = math.inf) -> None:
