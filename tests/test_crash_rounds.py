@@ -95,9 +95,10 @@ class Streams:
             self.errors.append(exc)
 
 
-def kill_rounds(pipeline: Pipeline, streams: Streams, victim: str) -> list[float]:
-    """Kill `victim` at a third of the way in, twice more once it is back; the stall after each."""
-    stalls, last_pid = [], None
+def kill_rounds(pipeline: Pipeline, streams: Streams, victim: str) -> tuple[list[float], list[int]]:
+    """Kill `victim` at a fifth of the way in, twice more once it is back: the stall after each
+    kill, and the pids killed."""
+    stalls, kills, last_pid = [], [], None
     for round_ in range(KILLS):
         while streams.emitted() < (round_ + 1) * CLIENTS * PARAMS.max_tokens // (KILLS + 2):
             assert any(t.is_alive() for t in streams.threads), f"the streams ended before kill {round_ + 1}"
@@ -108,10 +109,11 @@ def kill_rounds(pipeline: Pipeline, streams: Streams, victim: str) -> list[float
         assert last_pid is not None
         killed_at = time.monotonic()
         os.kill(last_pid, signal.SIGKILL)
+        kills.append(last_pid)
         while streams.last_chunk < killed_at and any(t.is_alive() for t in streams.threads):
             time.sleep(0.005)
         stalls.append(streams.last_chunk - killed_at)
-    return stalls
+    return stalls, kills
 
 
 @pytest.mark.parametrize("victim", ["verify", "draft", "audit", "orchestrator"])
@@ -120,7 +122,7 @@ def test_eight_streams_lose_and_repeat_nothing_through_three_kills(pipeline, ref
     streams = Streams(pipeline)
     for thread in streams.threads:
         thread.start()
-    stalls = kill_rounds(pipeline, streams, victim)
+    stalls, kills = kill_rounds(pipeline, streams, victim)
     for thread in streams.threads:
         thread.join(240)
     print(f"\n{victim}: stalls after each kill: {', '.join(f'{s:.2f} s' for s in stalls)}")
@@ -136,7 +138,8 @@ def test_eight_streams_lose_and_repeat_nothing_through_three_kills(pipeline, ref
         return lane.restarts >= before + KILLS and report.audit_pending == 0
 
     report = pipeline.wait_until(settled, 60, f"{victim} restarted {KILLS} times and the audit outbox empty")
-    assert len([f for f in report.faults if f.kind == "lane_down" and f.lane == victim]) >= KILLS
+    downs = [f for f in report.faults if f.kind == "lane_down" and f.lane == victim]
+    assert {int(f.message.split()[1]) for f in downs} >= set(kills)  # "pid N exited with ..."
     store = AuditStore(pipeline.config.audit.path, readonly=True)
     try:
         for i, request_id in streams.ids.items():
