@@ -678,3 +678,18 @@ def test_max_tokens_over_the_limit_is_refused_on_the_client_socket_naming_it():
     with pytest.raises(BadMessage) as caught:
         Codec(ClientRequest).decode(raw)
     assert "max_tokens must be <= 2147483647" in str(caught.value)
+
+
+def test_a_journal_row_this_version_cannot_read_costs_that_request_only(model, tmp_path):
+    world = World(model, journal_path=str(tmp_path / "journal.sqlite"))
+    world.up()
+    good, damaged = (world.submit(PROMPT, params=GREEDY) for _ in range(2))
+    world.run(until=12)
+    journal = world.hub.journal
+    journal.db.execute("UPDATE steps SET record = ? WHERE request_id = ? AND step = 0", (b"\xc1", damaged))
+    journal.db.execute("INSERT INTO opened VALUES (?, ?)", ("stranger", b"not msgpack"))
+    journal.db.execute("INSERT INTO faults (data) VALUES (?)", (b"\xc1",))
+    world.orchestrator_killed(deliver_in_flight=False)
+    assert world.result(good) is None and world.hub.front.machine(damaged) is None
+    assert finished(world, good).tokens == reference(model, GREEDY).tokens
+    assert {r.opened.request_id for r in world.hub.journal.recover().requests} == {good}

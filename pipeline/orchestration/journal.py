@@ -17,9 +17,11 @@ retention ends, so the file stays the size of what is in flight or retained.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -28,6 +30,8 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
 
 KEPT_FAULTS = 200
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS opened (request_id TEXT PRIMARY KEY, record BLOB NOT NULL);
@@ -141,20 +145,42 @@ class Journal:
     # --- recovery ----------------------------------------------------------------------
 
     def recover(self) -> Recovered:
-        """Everything journaled, oldest request first."""
+        """Everything journaled, oldest request first. A request with a row that cannot be read
+        (written by another version, damaged) is dropped with a warning rather than stopping the
+        orchestrator at every start: its client then gets unknown_request."""
         requests: dict[str, JournaledRequest] = {}
+        unreadable: set[str] = set()
         for request_id, blob in self.db.execute("SELECT request_id, record FROM opened ORDER BY rowid"):
-            requests[request_id] = JournaledRequest(msgspec.msgpack.decode(blob, type=OpenedRecord))
+            if (opened := readable(blob, OpenedRecord)) is None:
+                unreadable.add(request_id)
+            else:
+                requests[request_id] = JournaledRequest(opened)
         steps = self.db.execute("SELECT request_id, record FROM steps ORDER BY request_id, step")
         for request_id, blob in steps:
             if (journaled := requests.get(request_id)) is not None:
-                journaled.steps.append(msgspec.msgpack.decode(blob, type=StepRecord))
+                if (step := readable(blob, StepRecord)) is None:
+                    unreadable.add(request_id)
+                else:
+                    journaled.steps.append(step)
         for request_id, blob, wall in self.db.execute("SELECT request_id, result, wall FROM results"):
             if (journaled := requests.get(request_id)) is not None:
-                journaled.result, journaled.finished_wall = msgspec.msgpack.decode(blob, type=Result), wall
+                if (result := readable(blob, Result)) is None:
+                    unreadable.add(request_id)
+                journaled.result, journaled.finished_wall = result, wall
+        for request_id in unreadable:
+            log.warning("journal: request %s has a row this version cannot read; dropped", request_id)
+            requests.pop(request_id, None)
+            self.forget(request_id)
         return Recovered(
             requests=list(requests.values()),
             outbox=[(e, bytes(d)) for e, d in self.db.execute("SELECT event_id, data FROM outbox")],
             faults=[bytes(d) for (d,) in self.db.execute("SELECT data FROM faults ORDER BY seq")],
             state={k: bytes(v) for k, v in self.db.execute("SELECT key, value FROM state")},
         )
+
+
+def readable(blob: bytes, kind: type[T]) -> T | None:
+    try:
+        return msgspec.msgpack.decode(blob, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

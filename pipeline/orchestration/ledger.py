@@ -14,7 +14,7 @@ import msgspec
 
 from pipeline.orchestration.audit_outbox import AuditOutbox
 from pipeline.orchestration.effects import Send
-from pipeline.orchestration.journal import KEPT_FAULTS, Journal, Recovered
+from pipeline.orchestration.journal import KEPT_FAULTS, Journal, Recovered, readable
 from pipeline.orchestration.lane_table import LaneTable
 from pipeline.protocol.config import Audit
 from pipeline.protocol.messages import AuditEvent, Fault, FaultEvent, LaneSnapshot, SpeculativeState, encode
@@ -31,9 +31,9 @@ class Ledger:
     def restore(self, journaled: Recovered) -> None:
         for event_id, data in journaled.outbox:
             self.outbox.add(event_id, data, None)
-        self.faults.extend(msgspec.msgpack.decode(data, type=Fault) for data in journaled.faults)
-        if "totals" in journaled.state:
-            self.totals = msgspec.msgpack.decode(journaled.state["totals"], type=SpeculativeState)
+        self.faults.extend(f for data in journaled.faults if (f := readable(data, Fault)) is not None)
+        totals = readable(journaled.state.get("totals", b""), SpeculativeState)
+        self.totals = totals if totals is not None else self.totals
 
     def backlog(self) -> str | None:
         """Why no new request should add to the outbox now, if so."""
