@@ -38,5 +38,6 @@ class TargetState:
         start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
         verdict = verify(drafts, draft_probs, target_probs(logits, self.params), self.seed, start)
         self.cache.truncate(start + verdict.accepted)
-        self.draws += len({*(d.u for d in verdict.decisions), verdict.final_u} - {None})  # a rejected
-        return verdict  # deterministic draft's number is also the replacement's
+        # A rejected deterministic draft's number also chose its replacement: count it once.
+        self.draws += len({*(d.u for d in verdict.decisions), verdict.final_u} - {None})
+        return verdict

@@ -102,11 +102,11 @@ class ClientFront:
         """Finished requests past their retention, and the oldest finished ones beyond
         `keep_at_most`: the ids forgotten."""
         retain = self.timeouts.retain
-        finished = sorted(
-            (t.finished_at, r) for r, t in self.requests.items() if t.finished_at is not None
-        )  # fmt: skip
-        excess = max(len(finished) - keep_at_most, 0)
-        expired = [r for i, (at, r) in enumerate(finished) if i < excess or now - at > retain]
+        finished = [(t.finished_at, r) for r, t in self.requests.items() if t.finished_at is not None]
+        expired = [r for at, r in finished if now - at > retain]
+        if len(finished) - len(expired) > keep_at_most:  # over the cap: sorted only then (a tick is hot)
+            kept = sorted((at, r) for at, r in finished if now - at <= retain)
+            expired += [r for _, r in kept[: len(kept) - keep_at_most]]
         for request_id in expired:
             del self.requests[request_id]
         if expired:
