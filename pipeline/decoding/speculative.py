@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from pipeline.decoding import tree
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
@@ -17,6 +18,7 @@ from pipeline.decoding.session import Session, check_prompt
 from pipeline.decoding.speculation import Speculation
 from pipeline.decoding.target import TargetState
 from pipeline.model import Runtime
+from pipeline.model.calibration import row_seconds
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ def decode(
     assert model.tokenizer is not None
     seed = request_seed(params.seed)
     session = Session(model.tokenizer, model.cfg.context_length, prompt_tokens, params, speculation)
+    if speculation.fixed_k is None:
+        session.controller.costs.calibrate(row_seconds(model))
     target = TargetState(model, params, seed, capacity=session.capacity())
     drafter = GuardedDrafter(source.start(prompt_tokens, params, seed))
     emit = on_text or (lambda _text: None)
@@ -51,16 +55,20 @@ def decode(
     while (want := session.plan()) is not None:
         context = session.context
         t0 = time.perf_counter()
-        proposal = drafter.propose(context, want)
+        draft = session.cut(drafter.propose(context, want, speculation.tree), want)
         draft_seconds = time.perf_counter() - t0
-        drafted = proposal.tokens[:want]
-        probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
 
         t0 = time.perf_counter()
-        logits = model.forward(target.cache, [context[-1], *drafted])
-        verdict = target.conclude(logits, drafted, probs)
+        rows = [context[-1], *draft.tokens]
+        parents = None if draft.parents is None else tree.rows_parents(draft.parents)
+        logits = model.forward_batch([(target.cache, rows, parents)])[0]
+        verdict = target.conclude(logits, draft.tokens, draft.probs, draft.parents)
         verify_seconds = time.perf_counter() - t0
-        emit(session.record(len(drafted), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds))
+        depth, offered = tree.step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
+        emit(session.record(
+            len(draft.tokens), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds,
+            depth=depth, offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
+        ))  # fmt: skip
         drafter.accept(session.context)
     emit(session.finish_text())
 
@@ -87,8 +95,8 @@ class GuardedDrafter:
             self.failures += 1
             return None
 
-    def propose(self, context: list[int], k: int) -> Proposal:
-        proposal = self._call("propose", context, k) if k > 0 else None
+    def propose(self, context: list[int], k: int, tree: bool = False) -> Proposal:
+        proposal = self._call("propose", context, k, tree) if k > 0 else None
         return proposal if isinstance(proposal, Proposal) else EMPTY
 
     def accept(self, context: list[int]) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.decoding.acceptance import Verdict, verify
+from pipeline.decoding.acceptance import Verdict, verify, verify_tree
 from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
 from pipeline.model import Runtime
 
@@ -33,11 +33,21 @@ class TargetState:
         self.draws += u is not None
         return token, u
 
-    def conclude(self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None) -> Verdict:
-        """Apply the acceptance rule to a forward over [pending, *drafts] and roll back."""
+    def conclude(
+        self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None,
+        parents: list[int] | None = None,
+    ) -> Verdict:  # fmt: skip
+        """Apply the acceptance rule to a forward over [pending, *drafts] (a chain, or the token
+        tree whose node i continues node parents[i], run as `tree.rows_parents(parents)`) and keep
+        only the accepted tokens' K/V."""
         start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
-        verdict = verify(drafts, draft_probs, target_probs(logits, self.params), self.seed, start)
-        self.cache.truncate(start + verdict.accepted)
+        probs = target_probs(logits, self.params)
+        if parents is None:
+            verdict = verify(drafts, draft_probs, probs, self.seed, start)
+            self.cache.truncate(start + verdict.accepted)
+        else:
+            verdict = verify_tree(drafts, parents, probs, self.seed, start)
+            self.cache.keep(start - 1, [0, *(node + 1 for node in verdict.path)])
         # A rejected deterministic draft's number also chose its replacement: count it once.
         self.draws += len({*(d.u for d in verdict.decisions), verdict.final_u} - {None})
         return verdict

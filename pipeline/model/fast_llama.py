@@ -88,9 +88,7 @@ class FastModel:
         """Logits for `tokens` appended at positions [cache.length, cache.length + T)."""
         return self.forward_batch([(cache, tokens)], all_logits=all_logits)[0]
 
-    def forward_batch(
-        self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True
-    ) -> list[np.ndarray]:
+    def forward_batch(self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True) -> list[np.ndarray]:
         """One step for several sequences, each (cache, tokens) or a token tree (cache, tokens,
         parents: `llama.batch_parents`): (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
         cfg, lib, eps = self.cfg, self.lib, self.cfg.rms_eps
@@ -153,7 +151,8 @@ class FastModel:
         scratch = CScratch(**{name: a.ctypes.data for name, a in buffers.items()})
         seqs = (CSequence * len(batch))(*[
             CSequence(int(spans[i]), int(spans[i + 1] - spans[i]), cache.length, cache.stride,
-                      cache.k.ctypes.data, cache.v.ctypes.data, None if parents is None else parents.ctypes.data)
+                      cache.k.ctypes.data, cache.v.ctypes.data,
+                      None if parents is None else parents.ctypes.data)
             for i, (cache, parents) in enumerate(batch)
         ])  # fmt: skip
         self.lib.forward_layers(
@@ -171,7 +170,7 @@ class FastModel:
         bias = lw["bqkv"].ctypes.data if lw["bqkv"] is not None else None
         tree = None if parents is None else parents.ctypes.data
         self.lib.rope_attend_f32(
-            qkv.ctypes.data, bias, qkv.shape[0], cache.length, tree, self.cos.ctypes.data, self.sin.ctypes.data,
-            kt.ctypes.data, v.ctypes.data, cache.stride, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-            float(cfg.head_dim**-0.5), out.ctypes.data,
+            qkv.ctypes.data, bias, qkv.shape[0], cache.length, tree, self.cos.ctypes.data,
+            self.sin.ctypes.data, kt.ctypes.data, v.ctypes.data, cache.stride, cfg.n_heads, cfg.n_kv_heads,
+            cfg.head_dim, float(cfg.head_dim**-0.5), out.ctypes.data,
         )  # fmt: skip

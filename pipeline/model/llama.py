@@ -219,9 +219,7 @@ class Model:
         """Logits for `tokens` appended at positions [cache.length, cache.length + T)."""
         return self.forward_batch([(cache, tokens)], all_logits=all_logits)[0]
 
-    def forward_batch(
-        self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True
-    ) -> list[np.ndarray]:
+    def forward_batch(self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True) -> list[np.ndarray]:
         """One step for several sequences, each (cache, tokens) or a token tree (cache, tokens,
         parents): (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
         cfg = self.cfg
@@ -237,7 +235,8 @@ class Model:
         q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
         # Each sequence's mask depends only on its position and block shape: build it once.
         masks = [
-            tree_mask(c.length, shape) if shape is not None else causal_mask(c.length, t.size) if t.size > 1 else None
+            tree_mask(c.length, shape) if shape is not None
+            else causal_mask(c.length, t.size) if t.size > 1 else None
             for c, t, shape in zip(caches, ids, shapes, strict=True)
         ]  # fmt: skip
         for layer, lw in enumerate(self.layers):
