@@ -10,13 +10,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from pipeline.decoding import tree
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
 from pipeline.decoding.session import Session, check_prompt
 from pipeline.decoding.speculation import Speculation
 from pipeline.decoding.target import TargetState
+from pipeline.decoding.tree import rows_parents, step_shape
 from pipeline.model import Runtime
 from pipeline.model.calibration import row_seconds
 
@@ -32,11 +32,15 @@ def decode(
     k: int | None = None,
     k_max: int = 16,
     max_iterations: int | None = None,
+    tree: bool = True,
     on_text: Callable[[str], None] | None = None,
 ) -> Result:
-    """Generate with speculation; `k=None` lets the adaptive controller choose k each step.
+    """Generate with speculation; `k=None` lets the cost-model controller choose how many draft
+    nodes to verify each step, `tree=False` asks the drafters for one linear draft a step.
     The drafter is `source` (k, k_max and max_iterations are checked as `Speculation` checks them)."""
-    speculation = Speculation(k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations)
+    speculation = Speculation(
+        k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations, tree=tree
+    )
     check_prompt(prompt_tokens, model.cfg.context_length)
     assert model.tokenizer is not None
     seed = request_seed(params.seed)
@@ -60,11 +64,11 @@ def decode(
 
         t0 = time.perf_counter()
         rows = [context[-1], *draft.tokens]
-        parents = None if draft.parents is None else tree.rows_parents(draft.parents)
+        parents = None if draft.parents is None else rows_parents(draft.parents)
         logits = model.forward_batch([(target.cache, rows, parents)])[0]
         verdict = target.conclude(logits, draft.tokens, draft.probs, draft.parents)
         verify_seconds = time.perf_counter() - t0
-        depth, offered = tree.step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
+        depth, offered = step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
         emit(session.record(
             len(draft.tokens), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds,
             depth=depth, offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+DEPTH_DISCOUNT = 0.8
+
 
 def chain(count: int) -> list[int]:
     """The parents of a linear draft of `count` tokens."""
@@ -62,8 +64,10 @@ def merge(candidates: Sequence[tuple[Sequence[int], float]], max_nodes: int, max
     nodes and `max_depth` levels: (tokens, parents, shares).
 
     A node's weight is the sum of the weights of the candidates through it, its share that weight
-    over its parent's; the nodes kept are the best by the product of shares along their path (a
-    parent always before its children), so a tree of one candidate is that candidate's chain.
+    over its parent's; the nodes kept are the best by the product of shares along their path,
+    discounted by DEPTH_DISCOUNT a level (a guess is less likely kept the deeper it is: the
+    controller learns by how much, but only among the nodes proposed). A parent always comes
+    before its children, and a tree of one candidate is that candidate's chain.
     """
     children: list[dict[int, int]] = [{}]  # trie node -> {token: trie node}; trie node 0 is the root
     weight, token_of = [0.0], [-1]
@@ -85,7 +89,9 @@ def merge(candidates: Sequence[tuple[Sequence[int], float]], max_nodes: int, max
     out_parents: list[int] = []
     out_shares: list[float] = []
     # Best first by path probability; the counter keeps insertion order among equals.
-    frontier = [(-weight[c] / weight[0], n, c, -1, 0) for n, c in enumerate(children[0].values())]
+    frontier = [
+        (-DEPTH_DISCOUNT * weight[c] / weight[0], n, c, -1, 0) for n, c in enumerate(children[0].values())
+    ]
     heapq.heapify(frontier)
     counter = len(frontier)
     while frontier and len(out_tokens) < max_nodes:
@@ -95,7 +101,8 @@ def merge(candidates: Sequence[tuple[Sequence[int], float]], max_nodes: int, max
         out_parents.append(parent)
         out_shares.append(weight[node] / weight[above])
         for child in children[node].values():
-            heapq.heappush(frontier, (neg_prob * weight[child] / weight[node], counter, child, index, node))
+            priority = neg_prob * DEPTH_DISCOUNT * weight[child] / weight[node]
+            heapq.heappush(frontier, (priority, counter, child, index, node))
             counter += 1
     return out_tokens, out_parents, out_shares
 
