@@ -195,7 +195,10 @@ class Hub:
             self.ledger.acknowledged(msg.event_ids)
             return []
         machine = self.front.machine(msg.request_id)
-        return [] if machine is None else self._run(machine, machine.on_reply(msg, now), now)
+        if machine is None:
+            return []
+        machine.neighbours = max(0, len(self.front.running()) - self.queue.depth - 1)
+        return self._run(machine, machine.on_reply(msg, now), now)
 
     def on_control(self, msg: ControlInbox | BadMessage, now: float) -> list[Send]:
         if isinstance(msg, BadMessage):
