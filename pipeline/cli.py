@@ -118,6 +118,9 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     )
     gen.add_argument("--k", default="auto", help="draft tokens per step: a number 0-32, or auto (default)")
     gen.add_argument("--max-iterations", type=int, default=None, help="end the request after this many steps")
+    gen.add_argument(
+        "--linear", action="store_true", help="n-gram/suffix drafts as one chain a step, not a token tree"
+    )
     _add_sampling_flags(gen)
     _add_pipeline_commands(sub)
     bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
@@ -197,6 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         source,
         k=speculation.fixed_k,
         max_iterations=speculation.max_iterations,
+        tree=not args.linear,
         on_text=None if args.json else show,
     )
     if args.json:
