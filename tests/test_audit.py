@@ -36,10 +36,7 @@ from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.decoding.noise import SAMPLE, uniform
 from pipeline.decoding.sampling import SamplingParams, request_seed, sample_at
-from pipeline.decoding.session import Session
-from pipeline.decoding.speculation import Speculation
-from pipeline.decoding.speculative import GuardedDrafter, decode
-from pipeline.decoding.target import TargetState
+from pipeline.decoding.speculative import decode
 from pipeline.model import Model
 from pipeline.protocol.messages import (
     AuditEvent,
@@ -85,13 +82,8 @@ def audited_run(
     target: Model, params: SamplingParams, src, *, k: int | None = 3, request_id: str = "req"
 ) -> list[AuditEvent]:
     """The in-process loop (`speculative.decode`) with the events the orchestrator records."""
-    assert target.tokenizer is not None
     seed = request_seed(params.seed)
-    session = Session(
-        target.tokenizer, target.cfg.context_length, PROMPT, params, Speculation(k="auto" if k is None else k)
-    )
-    state = TargetState(target, params, seed, capacity=session.capacity())
-    drafter = GuardedDrafter(src.start(PROMPT, params, seed))
+    params = msgspec.structs.replace(params, seed=seed)
     now = time.time()
     settings = {
         "params": msgspec.to_builtins(params), "drafter": src.name, "k": k, "seed": seed,
@@ -102,42 +94,23 @@ def audited_run(
                       settings=settings, prompt_tokens=PROMPT)
     ]  # fmt: skip
 
-    def step_event(step: int, drafter_name: str, k_: int, drafted, emitted, decisions, final_u) -> StepEvent:
-        return StepEvent(
+    def record(want: int, draft, verdict, draws: int) -> None:
+        step = len(events) - 1
+        events.append(StepEvent(
             event_id=f"{request_id}:step:{step}", request_id=request_id, time=now + step, step=step,
-            drafter=drafter_name, k=k_, drafted=drafted, emitted=emitted, decisions=decisions,
-            final_u=final_u, draws=state.draws, batch_size=1,
-        )  # fmt: skip
+            drafter=draft.drafter, k=want, drafted=draft.tokens, emitted=verdict.tokens,
+            decisions=verdict.decisions, final_u=verdict.final_u, draws=draws, batch_size=1,
+            parents=draft.parents,
+        ))  # fmt: skip
 
-    first, u = state.prefill(PROMPT)
-    assert first is not None
-    session.start(first)
-    events.append(step_event(0, "", 0, [], [first], [], u))
-    step = 0
-    while (want := session.plan()) is not None:
-        proposal = drafter.propose(session.context, want)
-        drafted = proposal.tokens[:want]
-        probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
-        logits = target.forward(state.cache, [session.context[-1], *drafted])
-        verdict = state.conclude(logits, drafted, probs)
-        session.record(len(drafted), verdict.tokens, verdict.accepted, 0.0, 0.0)
-        step += 1
-        events.append(
-            step_event(
-                step, proposal.drafter, want, drafted, verdict.tokens, verdict.decisions, verdict.final_u
-            )
-        )
-        drafter.accept(session.context)
-    session.finish_text()
-    done = session.result(wall=1.0, prefill_seconds=0.0, seed=seed, drafter=src.name)
-    stats = session.stats
+    done = decode(target, PROMPT, params, src, k=k, on_step=record)
+    stats = done.stats
     events.append(
         SpeculativeEvent(
-            event_id=f"{request_id}:summary", request_id=request_id, time=now + step + 1,
-            drafted=stats.drafted, accepted=stats.accepted,
-            acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0,
+            event_id=f"{request_id}:summary", request_id=request_id, time=now + len(events),
+            drafted=stats.drafted, accepted=stats.accepted, acceptance_rate=stats.acceptance_rate,
             iterations=stats.steps, content_length=len(done.text), finish_reason=done.finish_reason,
-            stats=msgspec.to_builtins(done.stats), tokens=done.tokens,
+            stats=msgspec.to_builtins(stats), tokens=done.tokens,
         )
     )  # fmt: skip
     return events

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from pipeline.decoding.acceptance import Verdict
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
@@ -21,6 +22,8 @@ from pipeline.model import Runtime
 from pipeline.model.calibration import row_seconds
 
 log = logging.getLogger(__name__)
+
+StepObserver = Callable[[int, Proposal, Verdict, int], None]  # (k, what was verified, verdict, draws)
 
 
 def decode(
@@ -34,10 +37,12 @@ def decode(
     max_iterations: int | None = None,
     tree: bool = True,
     on_text: Callable[[str], None] | None = None,
+    on_step: StepObserver | None = None,
 ) -> Result:
     """Generate with speculation; `k=None` lets the cost-model controller choose how many draft
     nodes to verify each step, `tree=False` asks the drafters for one linear draft a step.
-    The drafter is `source` (k, k_max and max_iterations are checked as `Speculation` checks them)."""
+    The drafter is `source` (k, k_max and max_iterations are checked as `Speculation` checks them).
+    `on_step` sees every step as it is decided (the prefill as step 0), as the audit trail does."""
     speculation = Speculation(
         k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations, tree=tree
     )
@@ -52,9 +57,11 @@ def decode(
     emit = on_text or (lambda _text: None)
 
     start = time.perf_counter()
-    first, _ = target.prefill(prompt_tokens)
+    first, u = target.prefill(prompt_tokens)
     assert first is not None
     prefill_seconds = time.perf_counter() - start
+    observe = on_step or (lambda *_: None)
+    observe(0, EMPTY, Verdict([first], 0, [], u), target.draws)
     emit(session.start(first))
     while (want := session.plan()) is not None:
         context = session.context
@@ -73,6 +80,7 @@ def decode(
             len(draft.tokens), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds,
             depth=depth, offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
         ))  # fmt: skip
+        observe(want, draft, verdict, target.draws)
         drafter.accept(session.context)
     emit(session.finish_text())
 
