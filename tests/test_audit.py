@@ -79,7 +79,7 @@ PROMPT = [40, 41, 42, 43] * 4  # the tiny target soon repeats itself after it: n
 
 
 def audited_run(
-    target: Model, params: SamplingParams, src, *, k: int | None = 3, request_id: str = "req"
+    target: Model, params: SamplingParams, src, *, k: int | None = 3, request_id: str = "req", prompt=PROMPT
 ) -> list[AuditEvent]:
     """The in-process loop (`speculative.decode`) with the events the orchestrator records."""
     seed = request_seed(params.seed)
@@ -91,7 +91,7 @@ def audited_run(
     }  # fmt: skip
     events: list[AuditEvent] = [
         RequestOpened(event_id=f"{request_id}:opened", request_id=request_id, time=now,
-                      settings=settings, prompt_tokens=PROMPT)
+                      settings=settings, prompt_tokens=prompt)
     ]  # fmt: skip
 
     def record(want: int, draft, verdict, draws: int) -> None:
@@ -103,7 +103,7 @@ def audited_run(
             parents=draft.parents,
         ))  # fmt: skip
 
-    done = decode(target, PROMPT, params, src, k=k, on_step=record)
+    done = decode(target, prompt, params, src, k=k, on_step=record)
     stats = done.stats
     events.append(
         SpeculativeEvent(
@@ -621,3 +621,34 @@ def test_cli_finds_the_store_through_the_config(tmp_path, capsys):
     code = cli.main(["audit", "list", "--set", f"audit.path={tmp_path}/nothing.sqlite"])
     assert code == 2 and "no audit database" in capsys.readouterr().err
     store.close()
+
+
+# --- token trees -------------------------------------------------------------------------
+
+
+def branching_events(models, params):
+    target, _, _ = models
+    prompt = np.random.default_rng(2).integers(40, 47, size=60).tolist()  # n-grams recur, branching
+    events = audited_run(target, params, NgramSource(1, 2), k=8, prompt=prompt)
+    trees = [s for s in steps_of(events) if s.parents is not None and len(set(s.parents)) < len(s.parents)]
+    return events, trees
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_tree_steps_verify_and_a_hidden_match_is_caught(models, params):
+    """Honest tree steps pass; a step that claims no child carried the target's token while one
+    did (the rejection the tree rule forbids) fails, as does a tree whose shape was altered."""
+    target, _, _ = models
+    events, trees = branching_events(models, params)
+    assert trees, "the n-gram drafter proposed no branching tree here"
+    assert verify_request("req", events, target, None).verdict == "pass"
+    step = trees[0]
+    root_children = [i for i, p in enumerate(step.parents) if p == -1]
+    lying = step.emitted[0]
+    forged = [*step.drafted]
+    forged[root_children[-1]] = lying if lying not in [step.drafted[c] for c in root_children] else forged[0]
+    tampered = replace_step(events, step.step, drafted=forged)
+    report = verify_request("req", tampered, target, None)
+    assert report.verdict == "fail"
+    broken = replace_step(events, step.step, parents=[0, *step.parents[1:]])
+    assert_fails_at(verify_request("req", broken, target, None), step.step, "parent")
