@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
+from pipeline.decoding.grammar.drafting import ForcedFirst
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
 from pipeline.decoding.session import Session, check_prompt
@@ -48,7 +49,10 @@ def decode(
     if speculation.fixed_k is None:
         session.controller.costs.calibrate(row_seconds(model))
     target = TargetState(model, params, seed, capacity=session.capacity())
-    drafter = GuardedDrafter(source.start(prompt_tokens, params, seed))
+    drafter = source.start(prompt_tokens, params, seed)
+    if target.grammar is not None:  # the grammar's forced tokens are drafts for free
+        drafter = ForcedFirst(drafter, target.grammar.matcher)
+    drafter = GuardedDrafter(drafter)
     emit = on_text or (lambda _text: None)
 
     start = time.perf_counter()
@@ -60,6 +64,7 @@ def decode(
         context = session.context
         t0 = time.perf_counter()
         draft = session.cut(drafter.propose(context, want, speculation.tree), want)
+        draft = target.constrain(draft)  # without the nodes the grammar forbids
         draft_seconds = time.perf_counter() - t0
 
         t0 = time.perf_counter()
