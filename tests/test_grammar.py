@@ -518,3 +518,50 @@ def test_default_model_output_validates_and_is_the_same_with_every_drafter(serve
     for drafter, k in (("ngram", None), ("suffix", 4), ("auto", None)):
         out = decode(served_model, prompt, params, make_draft_source(drafter, served_model), k=k)
         assert out.tokens == plain.tokens, drafter
+
+
+# --- speclanes generate --response-format ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--response-format", "{nope"), "response_format is not valid JSON"),
+        (("--response-format", '{"type": "yaml"}'), "response_format type must be one of"),
+        (("--response-format", '{"type": "json_object"}', "--ignore-eos"), "drop ignore_eos"),
+        (("--response-format", "@/nonexistent/format.json"), "format.json"),
+    ],
+)
+def test_generate_refuses_a_bad_format_in_one_line(capsys, args, message):
+    from pipeline.cli import main
+
+    assert main(["generate", "hi", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speclanes: error:") and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_generate_with_a_schema_file(tmp_path, capsys):
+    from pipeline.cli import main
+
+    spec = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": TOOL_CALL}}
+    (tmp_path / "format.json").write_text(json.dumps(spec))
+    prompt = "What is the weather in Paris? Answer with a tool call."
+    args = ["generate", prompt, "--chat", "--json", "--max-tokens", "64", "--response-format"]
+    assert main([*args, f"@{tmp_path / 'format.json'}", "--drafter", "auto"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["text"]), TOOL_CALL)
+
+
+def test_the_pipeline_refuses_a_format_rather_than_ignoring_it(tiny):
+    from pipeline.decoding.speculation import Speculation
+    from pipeline.orchestration.admission import admit
+    from pipeline.protocol.messages import ErrorReply, Submit
+
+    submit = Submit(prompt="hi", params=SamplingParams(response_format=schema_format(FLAGS)))
+    reply = admit(submit, Speculation(), tiny.tokenizer, 256, has_draft_model=False)
+    assert isinstance(reply, ErrorReply) and reply.kind == "bad_request"
+    assert "response_format" in reply.message
+    plain = admit(Submit(prompt="hi"), Speculation(), tiny.tokenizer, 256, has_draft_model=False)
+    assert not isinstance(plain, ErrorReply)
