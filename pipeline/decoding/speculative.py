@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
-from pipeline.decoding.grammar.drafting import ForcedFirst
+from pipeline.decoding.grammar.drafting import forced_first
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
 from pipeline.decoding.session import Session, check_prompt
@@ -49,10 +49,7 @@ def decode(
     if speculation.fixed_k is None:
         session.controller.costs.calibrate(row_seconds(model))
     target = TargetState(model, params, seed, capacity=session.capacity())
-    drafter = source.start(prompt_tokens, params, seed)
-    if target.grammar is not None:  # the grammar's forced tokens are drafts for free
-        drafter = ForcedFirst(drafter, target.grammar.matcher)
-    drafter = GuardedDrafter(drafter)
+    drafter = GuardedDrafter(forced_first(source.start(prompt_tokens, params, seed), target.grammar))
     emit = on_text or (lambda _text: None)
 
     start = time.perf_counter()
@@ -63,8 +60,8 @@ def decode(
     while (want := session.plan()) is not None:
         context = session.context
         t0 = time.perf_counter()
-        draft = session.cut(drafter.propose(context, want, speculation.tree), want)
-        draft = target.constrain(draft)  # without the nodes the grammar forbids
+        # The controller's cut, then the grammar's (nodes it forbids would be rejected: never run).
+        draft = target.constrain(session.cut(drafter.propose(context, want, speculation.tree), want))
         draft_seconds = time.perf_counter() - t0
 
         t0 = time.perf_counter()

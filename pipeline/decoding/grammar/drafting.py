@@ -15,6 +15,7 @@ import numpy as np
 
 from pipeline.decoding.drafters import EMPTY, Drafter, Proposal
 from pipeline.decoding.grammar.matcher import GrammarMatcher
+from pipeline.decoding.grammar.rows import Constraint
 from pipeline.decoding.tree import chain
 
 
@@ -52,3 +53,8 @@ class ForcedFirst:
 
     def finish(self, context: Sequence[int]) -> None:
         self.inner.finish(context)
+
+
+def forced_first(drafter: Drafter, grammar: Constraint | None) -> Drafter:
+    """`drafter` with the grammar's forced tokens ahead of its proposals (itself without a grammar)."""
+    return drafter if grammar is None else ForcedFirst(drafter, grammar.matcher)
