@@ -121,6 +121,13 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     gen.add_argument(
         "--linear", action="store_true", help="n-gram/suffix drafts as one chain a step, not a token tree"
     )
+    gen.add_argument(
+        "--response-format",
+        metavar="JSON",
+        help="structured output, as OpenAI's response_format: "
+        '{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
+        'or {"type": "grammar", "grammar": LARK_OR_GBNF}; @FILE reads it from a file',
+    )
     _add_sampling_flags(gen)
     _add_pipeline_commands(sub)
     bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
@@ -139,7 +146,7 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace, response_format: str | None = None):
     from pipeline.decoding.sampling import SamplingParams
 
     return SamplingParams(
@@ -150,7 +157,17 @@ def _sampling(args: argparse.Namespace):
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        response_format=response_format,
     )
+
+
+def response_format_arg(value: str | None) -> str | None:
+    """--response-format: JSON text, or @FILE holding it, as the canonical text SamplingParams carries."""
+    from pipeline.decoding.grammar.format import canonical_response_format
+
+    if value is not None and value.startswith("@"):
+        value = Path(value[1:]).read_text()
+    return canonical_response_format(value)
 
 
 def load_model(path: str | None, backend: str = "auto"):
@@ -180,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pipeline.decoding.speculative import decode
     from pipeline.model.prompts import load_messages, prompt_tokens
 
-    params = _sampling(args)
+    params = _sampling(args, response_format_arg(args.response_format))
     speculation = speculation_args(args)
     messages = load_messages(args.messages) if args.messages else None
     model = load_model(args.model, args.backend)

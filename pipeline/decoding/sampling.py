@@ -13,6 +13,7 @@ import math
 import msgspec
 import numpy as np
 
+from pipeline.decoding.grammar.format import parse_response_format
 from pipeline.decoding.noise import SAMPLE, uniform
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
@@ -28,6 +29,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Structured output: `response_format` as canonical JSON text (`grammar.format`), None for free text.
+    # Text, not a compiled grammar, because this struct crosses the wire; the verifier compiles it.
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -44,6 +48,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.response_format is not None:
+            if parse_response_format(self.response_format) is None:  # malformed: ResponseFormatError
+                raise ValueError("response_format of type text constrains nothing: leave it unset (None)")
+            if self.ignore_eos:  # past the grammar's end only EOS is allowed: it would repeat forever
+                raise ValueError("response_format ends the output where its grammar ends: drop ignore_eos")
 
     @property
     def greedy(self) -> bool:

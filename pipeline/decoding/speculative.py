@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from pipeline.decoding.acceptance import Verdict
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
+from pipeline.decoding.grammar.drafting import forced_first
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
 from pipeline.decoding.session import Session, check_prompt
@@ -53,7 +54,7 @@ def decode(
     if speculation.fixed_k is None:
         session.controller.costs.calibrate(row_seconds(model))
     target = TargetState(model, params, seed, capacity=session.capacity())
-    drafter = GuardedDrafter(source.start(prompt_tokens, params, seed))
+    drafter = GuardedDrafter(forced_first(source.start(prompt_tokens, params, seed), target.grammar))
     emit = on_text or (lambda _text: None)
 
     start = time.perf_counter()
@@ -66,7 +67,8 @@ def decode(
     while (want := session.plan()) is not None:
         context = session.context
         t0 = time.perf_counter()
-        draft = session.cut(drafter.propose(context, want, speculation.tree), want)
+        # The controller's cut, then the grammar's (nodes it forbids would be rejected: never run).
+        draft = target.constrain(session.cut(drafter.propose(context, want, speculation.tree), want))
         draft_seconds = time.perf_counter() - t0
 
         t0 = time.perf_counter()

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.decoding.acceptance import Verdict, verify, verify_tree
+from pipeline.decoding.drafters import Proposal
+from pipeline.decoding.grammar.rows import constraint_for
 from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
 from pipeline.model import Runtime
 
@@ -21,6 +23,8 @@ class TargetState:
     ) -> None:
         self.model, self.params, self.seed, self.draws = model, params, seed, draws
         self.cache = model.new_cache(capacity=capacity)
+        # Structured output: the grammar's masks on every row this state samples from (`grammar.rows`).
+        self.grammar = constraint_for(model, params.response_format)
 
     def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
         """Feed `tokens`; sample the next token from the last position if asked."""
@@ -29,9 +33,18 @@ class TargetState:
 
     def first_token(self, last_logits: np.ndarray) -> tuple[int, float | None]:
         """The token after the prompt, from the prompt's last logits row (fed whole or in chunks)."""
+        if self.grammar is not None:
+            last_logits = self.grammar.next_row(last_logits)
         token, u = sample_at(target_probs(last_logits, self.params), self.seed, self.cache.length)
         self.draws += u is not None
+        if self.grammar is not None:
+            self.grammar.commit([token])
         return token, u
+
+    def constrain(self, draft: Proposal) -> Proposal:
+        """The draft worth a forward: without the nodes the grammar forbids and their descendants
+        (the target would reject them anyway). Call before the forward over [pending, *tokens]."""
+        return draft if self.grammar is None else self.grammar.cut(draft)
 
     def conclude(
         self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None,
@@ -41,6 +54,8 @@ class TargetState:
         tree whose node i continues node parents[i], run as `tree.rows_parents(parents)`) and keep
         only the accepted tokens' K/V."""
         start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
+        if self.grammar is not None:
+            logits, draft_probs = self.grammar.constrain(logits, drafts, draft_probs, parents)
         probs = target_probs(logits, self.params)
         if parents is None:
             verdict = verify(drafts, draft_probs, probs, self.seed, start)
@@ -48,6 +63,8 @@ class TargetState:
         else:
             verdict = verify_tree(drafts, parents, probs, self.seed, start)
             self.cache.keep(start - 1, [0, *(node + 1 for node in verdict.path)])
+        if self.grammar is not None:
+            self.grammar.commit(verdict.tokens)
         # A rejected deterministic draft's number also chose its replacement: count it once.
         self.draws += len({*(d.u for d in verdict.decisions), verdict.final_u} - {None})
         return verdict
