@@ -10,13 +10,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline.decoding.acceptance import Verdict
 from pipeline.decoding.adaptive import Controller
 from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.result import Result, RunStats
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
-from pipeline.decoding.tree import chain, select
+from pipeline.decoding.tree import chain, select, step_shape
 from pipeline.model.tokenizer import Tokenizer
 
 INITIAL_OUTPUT_ROWS = 256
@@ -147,6 +148,14 @@ class Session:
     def finish_text(self) -> str:
         """When `plan` ended the request itself: mark the output finished, flush held-back text."""
         return self.out.finish(self._ending) if self._ending and not self.out.done else ""
+
+    def record_draft(self, draft: Proposal, verdict: Verdict, draft_s: float, verify_s: float) -> str:
+        """`record` for a verified `draft` (a chain or a tree) and its verdict."""
+        depth, offered = step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
+        return self.record(
+            len(draft.tokens), verdict.tokens, verdict.accepted, draft_s, verify_s, depth=depth,
+            offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
+        )  # fmt: skip
 
     def record(
         self, drafted: int, emitted: Sequence[int], accepted: int, draft_s: float, verify_s: float,

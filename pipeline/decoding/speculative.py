@@ -18,7 +18,6 @@ from pipeline.decoding.sampling import SamplingParams, request_seed
 from pipeline.decoding.session import Session, check_prompt
 from pipeline.decoding.speculation import Speculation
 from pipeline.decoding.target import TargetState
-from pipeline.decoding.tree import rows_parents, step_shape
 from pipeline.model import Runtime
 from pipeline.model.calibration import row_seconds
 
@@ -72,16 +71,8 @@ def decode(
         draft_seconds = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        rows = [context[-1], *draft.tokens]
-        parents = None if draft.parents is None else rows_parents(draft.parents)
-        logits = model.forward_batch([(target.cache, rows, parents)])[0]
-        verdict = target.conclude(logits, draft.tokens, draft.probs, draft.parents)
-        verify_seconds = time.perf_counter() - t0
-        depth, offered = step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
-        emit(session.record(
-            len(draft.tokens), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds,
-            depth=depth, offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
-        ))  # fmt: skip
+        verdict = target.step(context[-1], draft)
+        emit(session.record_draft(draft, verdict, draft_seconds, time.perf_counter() - t0))
         observe(want, draft, verdict, target.draws)
         drafter.accept(session.context)
     emit(session.finish_text())

@@ -11,6 +11,7 @@ from pipeline.decoding.acceptance import Verdict, verify, verify_tree
 from pipeline.decoding.drafters import Proposal
 from pipeline.decoding.grammar.rows import constraint_for
 from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
+from pipeline.decoding.tree import rows_parents
 from pipeline.model import Runtime
 
 
@@ -45,6 +46,13 @@ class TargetState:
         """The draft worth a forward: without the nodes the grammar forbids and their descendants
         (the target would reject them anyway). Call before the forward over [pending, *tokens]."""
         return draft if self.grammar is None else self.grammar.cut(draft)
+
+    def step(self, pending: int, draft: Proposal) -> Verdict:
+        """One verify step on its own: the forward over [pending, *draft] (a chain or a tree), then
+        `conclude` (the verify lane batches forwards and calls `conclude` itself)."""
+        parents = None if draft.parents is None else rows_parents(draft.parents)
+        logits = self.model.forward_batch([(self.cache, [pending, *draft.tokens], parents)])[0]
+        return self.conclude(logits, draft.tokens, draft.probs, draft.parents)
 
     def conclude(
         self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None,

@@ -19,9 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from msgspec.structs import replace
-
-from pipeline.decoding.drafters import Proposal
+from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.session import Session
 from pipeline.decoding.tree import check, step_shape
@@ -234,15 +232,7 @@ class RequestMachine:
     def _drafted(self, msg: Drafted, now: float) -> list[Effect]:
         planned = self.planned
         assert planned is not None
-        effects: list[Effect] = []
-        try:
-            probs = None if msg.probs is None else msg.probs.array()
-        except BadMessage as exc:  # rows whose bytes do not fit their shape: this step decodes plainly
-            effects.append(Raise("bad_request", "draft", f"draft rows for step {msg.step}: {exc}", self.id))
-            msg, probs = replace(msg, tokens=[], probs=None, parents=None, shares=None), None
-        proposal = Proposal(msg.tokens, probs, msg.drafter, msg.parents, msg.shares)
-        if msg.parents is not None and check(msg.tokens, msg.parents) is not None:
-            proposal = Proposal([])  # not a tree: this step decodes plainly
+        proposal, effects = proposal_of(msg, self.id)
         draft = self.session.cut(proposal, planned.want, self.neighbours)
         planned.drafts, planned.drafter = tuple(draft.tokens), msg.drafter
         planned.parents, planned.shares = draft.parents, draft.shares
@@ -350,6 +340,18 @@ class RequestMachine:
         tokens = self.session.out.tokens[before:]
         if text or tokens:
             self.chunks.append(Chunk(len(self.chunks), text, tokens))
+
+
+def proposal_of(msg: Drafted, request_id: str) -> tuple[Proposal, list[Effect]]:
+    """The draft lane's proposal as the session cuts it; one whose rows do not fit their shape,
+    or whose tree is not a tree, is no proposal (the step decodes plainly), and the former is a fault."""
+    try:
+        probs = None if msg.probs is None else msg.probs.array()
+    except BadMessage as exc:
+        return EMPTY, [Raise("bad_request", "draft", f"draft rows for step {msg.step}: {exc}", request_id)]
+    if check(msg.tokens, msg.parents) is not None:
+        return EMPTY, []
+    return Proposal(msg.tokens, probs, msg.drafter, msg.parents, msg.shares), []
 
 
 def step_event(who: Identity, planned: Planned | None, reply: Opened | Verified, now: float) -> StepEvent:
