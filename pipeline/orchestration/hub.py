@@ -241,8 +241,8 @@ class Hub:
         """The lane process could not hand `send` over right now."""
         if send.lane == "audit":
             self.ledger.outbox.unsent(send.event_id)
-        elif isinstance(ask := send.message, DraftRequest) and (machine := self.front.machine(ask.request_id)):
-            return self._run(machine, machine.draft_unsent(now), now)
+        elif isinstance(ask := send.message, DraftRequest) and (m := self.front.machine(ask.request_id)):
+            return self._run(m, m.draft_unsent(now), now)
         return []
 
     # --- effects ----------------------------------------------------------------------
