@@ -4,7 +4,7 @@ The speculation controller (`decoding.adaptive`) chooses how many draft nodes to
 this curve, so it is measured where it is used, at start-up, not assumed: it differs between
 backends, CPUs and load (flat up to a knee on a wide-SIMD CPU, rising from the start on a
 compute-bound one). A few row counts are timed over a cache of `CONTEXT` tokens, the fastest
-of `REPEATS` runs each; the controller interpolates between them.
+of `REPEATS` runs each, made non-decreasing; the controller interpolates between them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pipeline.model.backends import Runtime
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 33)
 CONTEXT = 128
-REPEATS = 2
+REPEATS = 3
 _measured: weakref.WeakKeyDictionary[Any, list[float]] = weakref.WeakKeyDictionary()
 
 
@@ -37,6 +37,10 @@ def measure(model: Runtime, rows: tuple[int, ...] = ROWS) -> list[float]:
             best = min(best, time.perf_counter() - t0)
             cache.truncate(base)
         out[r - 1] = best
+    # More rows never cost less: a timing that says so is noise from the rest of the machine.
+    longest = 0.0
+    for r in rows:
+        longest = out[r - 1] = max(out[r - 1], longest)
     return out
 
 
