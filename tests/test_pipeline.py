@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from pipeline.audit.store import AuditStore
 from pipeline.audit.verify import verify_request
+from pipeline.bench.common import WORKLOADS
 from pipeline.decoding.drafters.registry import DRAFTERS, make_draft_source
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
@@ -122,23 +123,18 @@ def test_greedy_output_equals_in_process_generation(pipeline: Pipeline, drafter:
     assert done.request_id and done.stats.drafter == drafter
 
 
-QUOTE = (
-    "Repeat exactly: def area(r): return 3.14 * r * r. def volume(r, h): return 3.14 * r * r * h. "
-    "def surface(r): return 4 * 3.14 * r * r."
-)
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
+# Not seeded `auto`: this pipeline's auto falls back to the model drafter, not seed-exact.
+@pytest.mark.parametrize(("temperature", "drafter"), [(0.0, "auto"), (0.7, "suffix")])
 def test_token_trees_are_verified_through_the_lanes_and_audited(
-    pipeline: Pipeline, temperature: float
+    pipeline: Pipeline, temperature: float, drafter: str
 ) -> None:
-    """A prompt whose n-grams recur with several continuations: the draft lane proposes trees,
-    the verify lane verifies them in its forwards, the output is plain decoding's (seed for seed),
-    and the audit trail's tree steps verify."""
-    params = SamplingParams(temperature=temperature, seed=3, max_tokens=48)
+    """The code-edit workload, whose n-grams recur with several continuations: the draft lane
+    proposes trees (8 nodes a step), the verify lane verifies them in its batched forwards, the
+    output is plain decoding's (seed for seed), and the audit trail's tree steps verify."""
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=64)
     with pipeline.client() as client:
-        done = client.complete(QUOTE, chat=True, params=params, drafter="ngram")
-    assert done.tokens == _reference(QUOTE, params, "none", 0).tokens
+        done = client.complete(WORKLOADS["code"], chat=True, params=params, drafter=drafter, k=8)
+    assert done.tokens == _reference(WORKLOADS["code"], params, "none", 0).tokens
     pipeline.summary(done.request_id)
     store = AuditStore(pipeline.config.audit.path, readonly=True)
     try:
