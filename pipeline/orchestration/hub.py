@@ -130,7 +130,7 @@ class Hub:
         )  # fmt: skip
         self.journal.opened(record)
         machine = self._track(record, now)
-        opened = opened_event(record, self.config.model.path, self.config.model.draft_path)
+        opened = opened_event(record, self.config)
         sends = self._record(opened, now) + self._start(machine, now)
         submitted = Submitted(request_id=request_id, prompt_tokens=len(admitted.tokens), secret=record.secret)
         return submitted, sends
@@ -201,7 +201,8 @@ class Hub:
     def on_control(self, msg: ControlInbox | BadMessage, now: float) -> list[Send]:
         if isinstance(msg, BadMessage):
             return self._raise("bad_request", "orchestrator", f"control inbox: {msg}", None, now)
-        if isinstance(msg, Fault):
+        if isinstance(msg, Fault):  # the lane traced it itself; it is counted here, with every other
+            self.tracing.counted(msg.kind, msg.lane)
             return self.ledger.fault(msg, now)
         if isinstance(msg, Shutdown):
             self.closing = msg.reason or "shutdown"
@@ -322,12 +323,14 @@ class Hub:
         return sends
 
 
-def opened_event(record: OpenedRecord, model: str, draft_model: str) -> RequestOpened:
-    """The request's first audit event: what `audit verify` needs to re-run it."""
+def opened_event(record: OpenedRecord, config: Config) -> RequestOpened:
+    """The request's first audit event: what `audit verify` needs to re-run it (the model files),
+    and the name the model was served under (the HTTP API's model id)."""
+    model = config.model
     settings = {
         "params": msgspec.to_builtins(record.params), "drafter": record.speculation.drafter,
-        "k": record.speculation.fixed_k, "seed": record.seed,
-        "model": model, "draft_model": draft_model,  # "": the default
+        "k": record.speculation.fixed_k, "seed": record.seed, "model": model.path,
+        "model_name": config.model_id(), "draft_model": model.draft_path,  # draft_model "": none
     }  # fmt: skip
     return RequestOpened(
         event_id=f"{record.request_id}:opened", request_id=record.request_id, time=record.submitted,

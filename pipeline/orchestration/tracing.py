@@ -11,9 +11,9 @@ from opentelemetry.trace import Span, SpanKind
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.speculation import Speculation
-from pipeline.observability.metrics import PipelineMetrics
+from pipeline.observability.metrics import LaneGauge, PipelineGauges, PipelineMetrics
 from pipeline.observability.telemetry import Telemetry, carrier, fail
-from pipeline.protocol.messages import LaneDown, Submit
+from pipeline.protocol.messages import LaneDown, StatusReport, Submit
 
 
 class RequestTracing:
@@ -65,13 +65,17 @@ class RequestTracing:
         self, kind: str, lane: str, message: str, request_ids: list[str], step: int | None = None
     ) -> None:
         """Into the trace of every request it concerns, or a trace of its own if none."""
-        self.metrics.fault(kind, lane)
+        self.counted(kind, lane)
         for request_id in request_ids:
             self.telemetry.fault(
                 self.roots.get(request_id), kind, lane, message, request_id=request_id, step=step
             )
         if not request_ids:
             self.telemetry.fault(None, kind, lane, message)
+
+    def counted(self, kind: str, lane: str) -> None:
+        """Into the faults metric only: a fault a lane reported has been traced by that lane."""
+        self.metrics.fault(kind, lane)
 
     def lane_down(self, msg: LaneDown, running: list[str]) -> None:
         attributes = {
@@ -115,3 +119,12 @@ class RequestTracing:
         if result.error is not None:
             fail(root, f"{result.error.kind}: {result.error.message}")
         root.end()
+
+
+def gauges_of(report: StatusReport) -> PipelineGauges:
+    """What the state-like metrics read at each collection: the numbers `status` shows."""
+    lanes = {lane.name: LaneGauge(up=lane.state == "up", restarts=lane.restarts) for lane in report.lanes}
+    return PipelineGauges(
+        running=report.active_requests, queued=report.queued_requests,
+        audit_pending=report.audit_pending, lanes=lanes,
+    )  # fmt: skip
