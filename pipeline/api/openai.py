@@ -19,6 +19,7 @@ from pipeline.api.errors import ApiError, decode_json
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation, SpeculationError
+from pipeline.observability.request_ids import RESPONSE_PREFIXES
 from pipeline.protocol.client import submit_message
 from pipeline.protocol.messages import Submit
 
@@ -240,7 +241,7 @@ class Formatter:
 
     def __init__(self, chat: bool, request_id: str, model: str, created: int, prompt_tokens: int) -> None:
         self.chat, self.model, self.created, self.prompt_tokens = chat, model, created, prompt_tokens
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.id = RESPONSE_PREFIXES["chat" if chat else "text"] + request_id  # what `audit show` takes
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
