@@ -7,7 +7,9 @@ block the loop; a draft or audit send that cannot be handed over now is given ba
 hub (that step decodes plainly; that event is re-sent later). A Submit's prompt is tokenized in
 a worker thread (`Hub.admit`), so a long prompt delays only its own request, never the loop; so are
 `Tokenize` and `Detokenize`. A `MetricsQuery` is answered with the Prometheus text of this process's
-instruments (observability/prometheus.py), collected in the loop: their callbacks read the hub.
+instruments (observability/prometheus.py). The state-like ones (requests decoding and queued, lanes)
+read `gauges`, a snapshot the loop takes every tick and before each MetricsQuery: the OTLP exporter
+collects from its own thread, which must not walk the hub's structures while the loop changes them.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class OrchestratorLane:
     def __init__(self, hub: Hub, lane: LaneContext, exposition: PrometheusExposition) -> None:
         config = lane.config
         self.hub, self.config, self.exposition = hub, config, exposition
+        self.gauges = gauges_of(hub.status())  # replaced whole, so a reader in another thread sees one
         self.outboxes = {
             name: Outbox(getattr(config.addresses, name), config.tls) for name in ("verify", "draft", "audit")
         }
@@ -128,6 +131,7 @@ class OrchestratorLane:
         while True:
             await trio.sleep(TICK_SECONDS)
             self.guarded(self.hub.tick)
+            self.gauges = gauges_of(self.hub.status())
 
     async def answer(self, data: bytes) -> Message:
         try:
@@ -143,6 +147,7 @@ class OrchestratorLane:
         elif isinstance(msg, Tokenize | Detokenize):
             return await self.tokenizer_call(msg)
         elif isinstance(msg, MetricsQuery):
+            self.gauges = gauges_of(self.hub.status())  # exactly what `status` says now
             return MetricsReport(text=self.exposition.text(), content_type=CONTENT_TYPE)
         else:
             assert isinstance(msg, StatusQuery)
@@ -239,8 +244,9 @@ async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
     tracing = RequestTracing(lane.telemetry, metrics, config.model_id())
     journal = Journal(config.run.journal)
     hub = Hub(config, tokenizer, cfg.context_length, tracing, LaneTable(names), journal)
-    metrics.observe(lambda: gauges_of(hub.status()))
-    await OrchestratorLane(hub, lane, exposition).run()
+    orchestrator = OrchestratorLane(hub, lane, exposition)
+    metrics.observe(lambda: orchestrator.gauges)
+    await orchestrator.run()
 
 
 def main() -> None:

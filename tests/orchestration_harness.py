@@ -95,7 +95,7 @@ class World:
         assert self.model.tokenizer is not None
         tokenizer, context = self.model.tokenizer, self.model.cfg.context_length
         hub = Hub(self.config, tokenizer, context, tracing, LaneTable(), Journal(self.journal_path))
-        tracing.metrics.observe(lambda: gauges_of(hub.status()))  # as lanes/orchestrator.py does
+        tracing.metrics.observe(lambda: gauges_of(hub.status()))  # one thread here: no snapshot needed
         return hub
 
     def orchestrator_killed(self, deliver_in_flight: bool) -> None:
