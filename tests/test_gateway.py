@@ -142,6 +142,16 @@ def test_without_an_orchestrator_requests_get_503_but_bad_ones_still_get_400_and
     status, body = fetch_json(f"{lone_gateway}/v2/nothing")
     assert status == 404
     assert_error(body, code="not_found")
+    status, body = fetch_json(f"{lone_gateway}/metrics")  # the numbers live in the orchestrator
+    assert status == 503
+    assert_error(body, type="server_error", code="pipeline_unavailable")
+    status, body = fetch_json(f"{lone_gateway}/version")
+    assert status == 200 and body["version"] == __version__ and body["backend"] is None
+    assert body["configured_backend"] == "auto"
+    status, body = fetch_json(
+        f"{lone_gateway}/tokenize", json.dumps({"content": "a", "prompt": "b"}).encode()
+    )
+    assert status == 400 and body["error"]["param"] == "prompt"
 
 
 def _raw_post(url: str, head: bytes, body: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:

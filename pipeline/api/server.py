@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 READY_CHECK_SECONDS = 2.0  # how long a readiness check may take before the answer is 503
 READY_TRUST_SECONDS = 1.0  # a successful check is reused this long
+VERSION_STATUS_SECONDS = 1.0  # /version waits this long for the verify lane's runtime, then says null
 CANCEL_SECONDS = 5.0
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -199,7 +200,7 @@ class Gateway:
         """The package's version, the model served and the runtime computing it (the verify lane's,
         once it has reported; null before)."""
         try:
-            report = await self.client.status(timeout=READY_CHECK_SECONDS)
+            report = await self.client.status(timeout=VERSION_STATUS_SECONDS)
             runtime = next((lane.runtime for lane in report.lanes if lane.name == "verify"), {})
         except PipelineError:
             runtime = {}
