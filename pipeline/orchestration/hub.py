@@ -85,7 +85,7 @@ class Hub:
         self.config, self.tokenizer, self.context_length = config, tokenizer, context_length
         self.tracing, self.lanes, self.journal = tracing, lanes, journal or Journal()
         self.front = ClientFront(config.timeouts)
-        self.ledger = Ledger(config.audit, lanes, self.journal)
+        self.ledger = Ledger(config.audit, lanes, self.journal, tracing.count_fault)
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
         self.closing: str | None = None  # the supervisor is stopping the pipeline: admit nothing new
         self.queue = AdmissionQueue(config.admission)
@@ -201,8 +201,7 @@ class Hub:
     def on_control(self, msg: ControlInbox | BadMessage, now: float) -> list[Send]:
         if isinstance(msg, BadMessage):
             return self._raise("bad_request", "orchestrator", f"control inbox: {msg}", None, now)
-        if isinstance(msg, Fault):  # the lane traced it itself; it is counted here, with every other
-            self.tracing.counted(msg.kind, msg.lane)
+        if isinstance(msg, Fault):
             return self.ledger.fault(msg, now)
         if isinstance(msg, Shutdown):
             self.closing = msg.reason or "shutdown"

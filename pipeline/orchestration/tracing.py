@@ -64,8 +64,8 @@ class RequestTracing:
     def fault(
         self, kind: str, lane: str, message: str, request_ids: list[str], step: int | None = None
     ) -> None:
-        """Into the trace of every request it concerns, or a trace of its own if none."""
-        self.counted(kind, lane)
+        """Into the trace of every request it concerns, or a trace of its own if none (the Ledger,
+        which keeps every fault, counts it: `count_fault`)."""
         for request_id in request_ids:
             self.telemetry.fault(
                 self.roots.get(request_id), kind, lane, message, request_id=request_id, step=step
@@ -73,8 +73,9 @@ class RequestTracing:
         if not request_ids:
             self.telemetry.fault(None, kind, lane, message)
 
-    def counted(self, kind: str, lane: str) -> None:
-        """Into the faults metric only: a fault a lane reported has been traced by that lane."""
+    def count_fault(self, kind: str, lane: str) -> None:
+        """Into the faults metric: every fault the orchestrator keeps, whether it saw it itself or a
+        lane reported it (that lane traced it)."""
         self.metrics.fault(kind, lane)
 
     def lane_down(self, msg: LaneDown, running: list[str]) -> None:
