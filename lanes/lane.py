@@ -16,12 +16,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import trio
+from opentelemetry.sdk.metrics.export import MetricReader
 
 from pipeline.observability.telemetry import Telemetry
 from pipeline.protocol.config import Config
@@ -103,7 +104,10 @@ def load_resolved(path: str) -> Config:
     return msgspec.json.decode(Path(path).read_bytes(), type=Config)
 
 
-def lane_main(name: str, serve: Callable[[LaneContext], Awaitable[None]]) -> None:
+def lane_main(
+    name: str, serve: Callable[[LaneContext], Awaitable[None]], readers: Sequence[MetricReader] = ()
+) -> None:
+    """`readers`: metric readers of this process's own, beside the OTEL_* exporters."""
     parser = argparse.ArgumentParser(prog=f"speclanes-{name}")
     parser.add_argument("config", help="resolved configuration (JSON, written by the supervisor)")
     parser.add_argument("--lifeline", action="store_true", help="exit when stdin closes")
@@ -113,7 +117,7 @@ def lane_main(name: str, serve: Callable[[LaneContext], Awaitable[None]]) -> Non
     )
     config = load_resolved(args.config)
 
-    telemetry = Telemetry.configure(name, config.telemetry.dir, config.run_id())
+    telemetry = Telemetry.configure(name, config.telemetry.dir, config.run_id(), readers=readers)
 
     async def run() -> None:
         lane = LaneContext(name, config, telemetry)

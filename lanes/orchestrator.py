@@ -5,11 +5,16 @@ client calls on the Rep socket, the clock) goes into the hub; every `Send` that 
 goes out on the lane's Push socket. Sends to the verify lane keep their order and never
 block the loop; a draft or audit send that cannot be handed over now is given back to the
 hub (that step decodes plainly; that event is re-sent later). A Submit's prompt is tokenized in
-a worker thread (`Hub.admit`), so a long prompt delays only its own request, never the loop.
+a worker thread (`Hub.admit`), so a long prompt delays only its own request, never the loop; so are
+`Tokenize` and `Detokenize`. A `MetricsQuery` is answered with the Prometheus text of this process's
+instruments (observability/prometheus.py). The state-like ones (requests decoding and queued, lanes)
+read `gauges`, a snapshot the loop takes every tick and before each MetricsQuery: the OTLP exporter
+collects from its own thread, which must not walk the hub's structures while the loop changes them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -23,12 +28,14 @@ from lanes.lane import LaneContext, lane_main
 from pipeline.model.default import default_model_path
 from pipeline.model.store import load_prepared
 from pipeline.observability.metrics import PipelineMetrics
+from pipeline.observability.prometheus import CONTENT_TYPE, PrometheusExposition
 from pipeline.orchestration.effects import Send
 from pipeline.orchestration.front import unknown
 from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import Journal
 from pipeline.orchestration.lane_table import LANES, LaneTable
-from pipeline.orchestration.tracing import RequestTracing
+from pipeline.orchestration.tokenizing import detokenize, tokenize
+from pipeline.orchestration.tracing import RequestTracing, gauges_of
 from pipeline.protocol.config import PREDECESSOR
 from pipeline.protocol.messages import (
     BadMessage,
@@ -37,13 +44,17 @@ from pipeline.protocol.messages import (
     Codec,
     ControlInbox,
     DataInbox,
+    Detokenize,
     ErrorReply,
     Heartbeat,
     LaneDown,
     Message,
+    MetricsQuery,
+    MetricsReport,
     Poll,
     StatusQuery,
     Submit,
+    Tokenize,
     encode,
 )  # fmt: skip
 from pipeline.protocol.transport import Inbox, Outbox, listen
@@ -54,9 +65,10 @@ ADMITTING_THREADS = 2  # prompts tokenized at once; more Submits wait their turn
 
 
 class OrchestratorLane:
-    def __init__(self, hub: Hub, lane: LaneContext) -> None:
+    def __init__(self, hub: Hub, lane: LaneContext, exposition: PrometheusExposition) -> None:
         config = lane.config
-        self.hub, self.config = hub, config
+        self.hub, self.config, self.exposition = hub, config, exposition
+        self.gauges = gauges_of(hub.status())  # replaced whole, so a reader in another thread sees one
         self.outboxes = {
             name: Outbox(getattr(config.addresses, name), config.tls) for name in ("verify", "draft", "audit")
         }
@@ -119,6 +131,7 @@ class OrchestratorLane:
         while True:
             await trio.sleep(TICK_SECONDS)
             self.guarded(self.hub.tick)
+            self.gauges = gauges_of(self.hub.status())
 
     async def answer(self, data: bytes) -> Message:
         try:
@@ -131,11 +144,24 @@ class OrchestratorLane:
             reply, sends = self.hub.cancel(msg.request_id, msg.secret, self.now())
         elif isinstance(msg, Poll):
             return await self.poll(msg)
+        elif isinstance(msg, Tokenize | Detokenize):
+            return await self.tokenizer_call(msg)
+        elif isinstance(msg, MetricsQuery):
+            self.gauges = gauges_of(self.hub.status())  # exactly what `status` says now
+            return MetricsReport(text=self.exposition.text(), content_type=CONTENT_TYPE)
         else:
             assert isinstance(msg, StatusQuery)
             return self.hub.status()
         self.dispatch(sends)
         return reply
+
+    async def tokenizer_call(self, msg: Tokenize | Detokenize) -> Message:
+        """Off the event loop and under the same limit as a Submit's tokenizing (the text may be long)."""
+        hub = self.hub
+        if isinstance(msg, Detokenize):
+            return await trio.to_thread.run_sync(detokenize, msg, hub.tokenizer, limiter=self.admitting)
+        call = (tokenize, msg, hub.tokenizer, hub.context_length)
+        return await trio.to_thread.run_sync(*call, limiter=self.admitting)
 
     async def submit(self, msg: Submit) -> Message:
         """Tokenized off the event loop, then opened in it (the hub is not thread-safe)."""
@@ -207,20 +233,25 @@ class OrchestratorLane:
             nursery.start_soon(self.serve_client, nursery, clients, [0])
 
 
-async def serve(lane: LaneContext) -> None:
-    config = lane.config
-    cfg, _, tokenizer = load_prepared(config.model.path or default_model_path())  # weights stay unmapped
+async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
+    # model.path made explicit (the default model's file when empty): every request's audit record
+    # then names the file it was served from, which `audit verify` re-runs.
+    path = str(lane.config.model.path or default_model_path())
+    config = msgspec.structs.replace(lane.config, model=msgspec.structs.replace(lane.config.model, path=path))
+    cfg, _, tokenizer = load_prepared(config.model.path)  # weights stay unmapped
     names = (*LANES, "gateway") if "gateway" in config.processes() else LANES  # readiness waits for it too
-    tracing = RequestTracing(
-        lane.telemetry, PipelineMetrics(lane.telemetry.meter, config.model_id()), config.model_id()
-    )
+    metrics = PipelineMetrics(lane.telemetry.meter, config.model_id())
+    tracing = RequestTracing(lane.telemetry, metrics, config.model_id())
     journal = Journal(config.run.journal)
     hub = Hub(config, tokenizer, cfg.context_length, tracing, LaneTable(names), journal)
-    await OrchestratorLane(hub, lane).run()
+    orchestrator = OrchestratorLane(hub, lane, exposition)
+    metrics.observe(lambda: orchestrator.gauges)
+    await orchestrator.run()
 
 
 def main() -> None:
-    lane_main("orchestrator", serve)
+    exposition = PrometheusExposition()  # its reader joins this process's meter provider
+    lane_main("orchestrator", functools.partial(serve, exposition=exposition), [exposition.reader])
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ from typing import Any
 
 import msgspec
 
+from pipeline import __version__
 from pipeline.decoding.drafters.registry import DRAFTERS
 from pipeline.decoding.speculation import Speculation, SpeculationError
+
+DEFAULT_DRAFTER = Speculation().drafter  # one policy for `generate`, `stream` and the pipeline
 
 
 def _bench(name: str) -> Callable[[], ModuleType]:
@@ -36,11 +39,15 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         "--messages", metavar="FILE", help='JSON list of {"role", "content"} for the chat template'
     )
     p.add_argument("--chat", action="store_true", help="wrap PROMPT as one user message in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens; 0 disables top-k")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="keep the likeliest tokens up to this mass; 1 disables it"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="makes a sampled run reproducible (default: a random seed)"
+    )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument(
@@ -61,9 +68,33 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_serving_flags(p: argparse.ArgumentParser) -> None:
+    """llama-server's and vLLM's spellings for what `--set` sets (they win over --set and --config)."""
+    p.add_argument("-m", "--model", metavar="PATH", help="the target GGUF (as --set model.path=PATH)")
+    p.add_argument("--host", help="the HTTP API's address (as --set gateway.host=HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="the HTTP API's port (as --set gateway.port=PORT; default 8000)")
+    p.add_argument(
+        "--alias", "--served-model-name", dest="alias", metavar="NAME",
+        help="the model id clients name (as --set gateway.model=NAME; default: the GGUF's file name)",
+    )  # fmt: skip
+
+
+def serving_settings(args: argparse.Namespace) -> list[str]:
+    """--set entries for the serving flags given, after the user's own (the last one wins)."""
+    settings = list(args.set)
+    if args.model is not None:
+        model = Path(args.model).expanduser()
+        if not model.is_file():
+            raise ValueError(f"--model {args.model}: no such file")
+        settings.append(f"model.path={model.resolve()}")
+    flags = {"gateway.host": args.host, "gateway.port": args.port, "gateway.model": args.alias}
+    return settings + [f"{key}={value}" for key, value in flags.items() if value is not None]
+
+
 def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     start = sub.add_parser("start", help="start the pipeline (lanes, orchestrator) under a supervisor")
     _add_config_flags(start)
+    _add_serving_flags(start)
     start.add_argument("--detach", action="store_true", help="run in the background; return once it is ready")
     start.add_argument(
         "--wait", type=float, default=120.0, help="with --detach: seconds to wait for readiness"
@@ -73,7 +104,9 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser("status", help="lanes, pids, restarts, active requests, speculation totals")
     _add_config_flags(status)
     status.add_argument("--connect", metavar="ADDR", help="orchestrator address (default: from the config)")
-    status.add_argument("--json", action="store_true")
+    status.add_argument(
+        "--json", action="store_true", help="the orchestrator's whole report and the health verdict, as JSON"
+    )
     stream = sub.add_parser("stream", help="stream a completion from a running pipeline")
     _add_config_flags(stream)
     stream.add_argument("--connect", metavar="ADDR", help="orchestrator address (default: from the config)")
@@ -81,7 +114,9 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     stream.add_argument(
         "--k", default=None, help="draft tokens per step: 0-32 or auto (default: the pipeline's)"
     )
-    stream.add_argument("--max-iterations", type=int, default=None)
+    stream.add_argument(
+        "--max-iterations", type=int, default=None, help="end the request after this many verify steps"
+    )
     stream.add_argument(
         "--wait", type=float, default=60.0, help="seconds to wait for the pipeline to be ready"
     )
@@ -106,13 +141,17 @@ def _add_certs_command(sub: argparse._SubParsersAction) -> None:
 def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     """`with_benches=False` leaves the benchmarks' own flags out: importing them costs ~0.1 s."""
     parser = argparse.ArgumentParser(prog="speclanes", description=__doc__)
+    parser.add_argument("-V", "--version", action="version", version=f"speclanes {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate in-process and stream the text")
-    gen.add_argument("--model", metavar="PATH", help="a llama-family GGUF (default: SmolLM2-135M-Instruct)")
+    gen.add_argument(
+        "-m", "--model", metavar="PATH", help="a llama-family GGUF (default: SmolLM2-135M-Instruct)"
+    )
     _add_backend_flag(gen)
     gen.add_argument(
-        "--drafter", choices=DRAFTERS, default="none", help="speculation drafter (default: none)"
-    )
+        "--drafter", choices=DRAFTERS, default=None, help=f"speculation drafter (default: {DEFAULT_DRAFTER}, "
+        "as in the pipeline: the same output, and plain decoding whenever drafts do not pay)",
+    )  # fmt: skip
     gen.add_argument(
         "--draft-model", metavar="PATH", help="smaller GGUF with the same vocabulary (--drafter model)"
     )
@@ -140,9 +179,12 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     _add_certs_command(sub)
     trace = sub.add_parser("trace", help="read the telemetry file export: list traces, or show one as a tree")
     _add_config_flags(trace)
-    trace.add_argument("request", nargs="?", help="a request id or trace id (default: list the traces)")
+    trace.add_argument(
+        "request", nargs="?", help="a request, response (chatcmpl-...) or trace id, or a unique prefix "
+        "(default: list the traces)",
+    )  # fmt: skip
     trace.add_argument("--dir", help="telemetry directory (default: telemetry.dir from the config)")
-    trace.add_argument("--json", action="store_true")
+    trace.add_argument("--json", action="store_true", help="the spans (or the list of traces) as JSON")
     return parser
 
 
@@ -202,7 +244,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     messages = load_messages(args.messages) if args.messages else None
     model = load_model(args.model, args.backend)
     draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
-    source = make_draft_source(args.drafter, model, draft_model)
+    source = make_draft_source(speculation.drafter, model, draft_model)
     assert model.tokenizer is not None
     prompt = prompt_tokens(model.tokenizer, args.prompt, chat=args.chat, messages=messages)
 
@@ -239,6 +281,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from pipeline.service.run_dir import pid_path
     from pipeline.service.supervisor import supervise
 
+    args.set = serving_settings(args)
     config = _config(args)
     check()  # an OTEL_* setting no process could honour fails here, not in a restart loop
     if not args.detach:
@@ -345,7 +388,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
-    from pipeline.decoding.result import Result
     from pipeline.model.prompts import load_messages
 
     params = _sampling(args)
@@ -363,15 +405,47 @@ def cmd_stream(args: argparse.Namespace) -> int:
             args.prompt, messages=messages, chat=args.chat, params=params,
             drafter=args.drafter, k=k, max_iterations=args.max_iterations,
         )  # fmt: skip
-        for item in client.chunks(submitted.request_id):
-            if isinstance(item, Result):
-                if item.error is not None:
-                    raise ValueError(f"request {item.request_id} failed: {item.error.message}")
-                sys.stdout.write(msgspec.json.encode(item).decode() + "\n" if args.json else "\n")
-            elif not args.json:
-                sys.stdout.write(item.text)
-                sys.stdout.flush()
+        try:
+            _print_stream(client, submitted.request_id, args.json)
+        except KeyboardInterrupt:
+            _cancel(client, submitted.request_id)
+            return 130
     return 0
+
+
+# A poll waits this long for news before it returns empty-handed. Ctrl-C is acted on between polls (the
+# socket call does not return early), so this bounds how long a stream that is still queued takes to
+# notice it; a decoding one returns a chunk every step.
+STREAM_POLL_SECONDS = 0.5
+
+
+def _print_stream(client: Any, request_id: str, as_json: bool) -> None:
+    from pipeline.decoding.result import Result
+
+    for item in client.chunks(request_id, wait=STREAM_POLL_SECONDS):
+        if isinstance(item, Result):
+            if item.error is not None:
+                raise ValueError(f"request {item.request_id} failed: {item.error.message}")
+            sys.stdout.write(msgspec.json.encode(item).decode() + "\n" if as_json else "\n")
+        elif not as_json:
+            sys.stdout.write(item.text)
+            sys.stdout.flush()
+
+
+def _cancel(client: Any, request_id: str) -> None:
+    """Ctrl-C: the request is cancelled in the pipeline now, which frees its KV cache and its place,
+    rather than when the orchestrator stops hearing from this client (timeouts.client_idle)."""
+    from pipeline.protocol.client import PipelineError
+
+    client.close()  # the interrupted poll's reply must not be taken for the Cancel's
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    try:
+        client.cancel(request_id)
+    except PipelineError as exc:
+        print(f"speclanes: request {request_id} was not cancelled: {exc}", file=sys.stderr)
+        return
+    print(f"speclanes: cancelled request {request_id}", file=sys.stderr)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -381,6 +455,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from pipeline.observability.request_ids import AmbiguousId
     from pipeline.observability.trace_files import (
         find_trace,
         read_spans,
@@ -408,9 +483,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 f"{row['output_tokens']:>8}{row['errors']:>8}  {','.join(row['services'])}"
             )
         return 0
-    trace = find_trace(spans, args.request)
-    if not trace:
-        raise ValueError(f"no trace for {args.request!r} in {directory}")
+    try:
+        trace = find_trace(spans, args.request)
+    except AmbiguousId as exc:  # a prefix that fits several: they are listed
+        raise ValueError(exc.args[0]) from None
+    except LookupError as exc:
+        raise ValueError(f"{exc.args[0]} in {directory}") from None
     print(msgspec.json.encode(trace).decode() if args.json else render_tree(trace))
     return 0
 

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
+from opentelemetry.sdk.metrics.export import MetricReader
 
 from pipeline.decoding.drafters.registry import make_draft_sources
 from pipeline.decoding.result import Result
@@ -17,7 +18,7 @@ from pipeline.orchestration.effects import Send
 from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import Journal
 from pipeline.orchestration.lane_table import LaneTable
-from pipeline.orchestration.tracing import RequestTracing
+from pipeline.orchestration.tracing import RequestTracing, gauges_of
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
     AuditAck,
@@ -81,8 +82,10 @@ class World:
         default_factory=lambda: {"verify": 10, "draft": 20, "audit": 30, "orchestrator": 40}
     )
 
+    readers: list[MetricReader] = field(default_factory=list)  # more metric readers for the hub's instruments
+
     def __post_init__(self) -> None:
-        self.telemetry = MemoryTelemetry()
+        self.telemetry = MemoryTelemetry(self.readers)
         self.hub = self.new_hub()
         self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
         self.drafts = DraftServer(make_draft_sources(self.model), self.model.cfg.vocab_size, FakeLane())
@@ -90,10 +93,10 @@ class World:
     def new_hub(self) -> Hub:
         tracing = RequestTracing(self.telemetry, PipelineMetrics(self.telemetry.meter, "tiny"), "tiny")
         assert self.model.tokenizer is not None
-        journal = Journal(self.journal_path)
-        return Hub(
-            self.config, self.model.tokenizer, self.model.cfg.context_length, tracing, LaneTable(), journal
-        )
+        tokenizer, context = self.model.tokenizer, self.model.cfg.context_length
+        hub = Hub(self.config, tokenizer, context, tracing, LaneTable(), Journal(self.journal_path))
+        tracing.metrics.observe(lambda: gauges_of(hub.status()))  # one thread here: no snapshot needed
+        return hub
 
     def orchestrator_killed(self, deliver_in_flight: bool) -> None:
         """The orchestrator dies: its memory goes, the lanes may or may not get what it had sent,

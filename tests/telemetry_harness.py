@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -12,12 +14,13 @@ from pipeline.observability.telemetry import Telemetry
 
 
 class MemoryTelemetry(Telemetry):
-    def __init__(self) -> None:
+    def __init__(self, readers: Sequence[MetricReader] = ()) -> None:
+        """`readers`: more metric readers (a Prometheus exposition), beside the in-memory one."""
         self.exporter = InMemorySpanExporter()
         self.reader = InMemoryMetricReader()
         tracer_provider = TracerProvider()
         tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        super().__init__(tracer_provider, MeterProvider(metric_readers=[self.reader]))
+        super().__init__(tracer_provider, MeterProvider(metric_readers=[self.reader, *readers]))
 
     def spans(self, name: str | None = None) -> list[ReadableSpan]:
         return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]

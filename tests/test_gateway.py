@@ -5,10 +5,13 @@ alone, with no orchestrator behind it."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,11 +26,14 @@ from typing import Any
 import msgspec
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline import __version__, cli
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
+from pipeline.model.default import default_model_path
 from pipeline.model.prompts import prompt_tokens
 from pipeline.observability.trace_files import read_spans, trace_files
 from pipeline.protocol.client import Client
@@ -136,6 +142,16 @@ def test_without_an_orchestrator_requests_get_503_but_bad_ones_still_get_400_and
     status, body = fetch_json(f"{lone_gateway}/v2/nothing")
     assert status == 404
     assert_error(body, code="not_found")
+    status, body = fetch_json(f"{lone_gateway}/metrics")  # the numbers live in the orchestrator
+    assert status == 503
+    assert_error(body, type="server_error", code="pipeline_unavailable")
+    status, body = fetch_json(f"{lone_gateway}/version")
+    assert status == 200 and body["version"] == __version__ and body["backend"] is None
+    assert body["configured_backend"] == "auto"
+    status, body = fetch_json(
+        f"{lone_gateway}/tokenize", json.dumps({"content": "a", "prompt": "b"}).encode()
+    )
+    assert status == 400 and body["error"]["param"] == "prompt"
 
 
 def _raw_post(url: str, head: bytes, body: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
@@ -457,6 +473,146 @@ def test_a_client_that_disconnects_while_waiting_for_a_whole_completion_cancels_
     pipeline.wait_until(lambda r: r.active_requests == 1, what="the request to start")
     connection.close()
     _freed(pipeline, "the non-streamed request to be cancelled")
+
+
+def cli_json(pipeline: Pipeline, capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    """`speclanes ARGV --json` against the module's pipeline, in this process."""
+    settings = [f"--set={item}" for item in pipeline.settings]
+    assert cli.main([*argv, "--json", *settings]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_tokenize_detokenize_and_version(pipeline, model, reference):
+    url = pipeline.gateway_url
+    _, n_prompt = reference(CODE, max_tokens=32)  # the chat completion's usage.prompt_tokens
+    status, out = fetch_json(
+        f"{url}/tokenize", json.dumps({"messages": [{"role": "user", "content": CODE}]}).encode()
+    )
+    assert status == 200 and out["count"] == len(out["tokens"]) == n_prompt and out["max_model_len"] == 8192
+    status, text = fetch_json(f"{url}/tokenize", json.dumps({"content": CODE, "with_pieces": True}).encode())
+    ids = [t["id"] for t in text["tokens"]]
+    assert status == 200 and "".join(t["piece"] for t in text["tokens"]) == CODE
+    for field in ("content", "prompt"):  # llama-server's and vLLM's spellings, both answered
+        assert (
+            fetch_json(f"{url}/tokenize", json.dumps({field: CODE, "model": model}).encode())[1]["tokens"]
+            == ids
+        )
+    status, back = fetch_json(f"{url}/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and back == {"content": CODE, "prompt": CODE}
+    status, body = fetch_json(f"{url}/detokenize", json.dumps({"tokens": [5, 10**6]}).encode())
+    assert status == 400 and "tokens[1] = 1000000" in body["error"]["message"]
+    assert_error(body, param="tokens", type="invalid_request_error")
+    status, body = fetch_json(f"{url}/tokenize", json.dumps({"content": "a", "prompt": "a"}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert fetch_json(f"{url}/tokenize", json.dumps({"content": "a", "model": "gpt-4o"}).encode())[0] == 404
+    status, version = fetch_json(f"{url}/version")
+    verify = pipeline.lane("verify").runtime
+    assert status == 200 and version["version"] == __version__ and version["model"] == model
+    assert version["model_path"] == str(default_model_path()) and version["backend"] == verify["backend"]
+
+
+@pytest.mark.slow
+def test_response_ids_name_the_request_in_audit_and_trace(pipeline, client, model, capsys):
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=8, temperature=0
+    )
+    assert response.id.startswith("chatcmpl-")
+    pipeline.summary(response.id.removeprefix("chatcmpl-"))  # recorded
+    shown = cli_json(pipeline, capsys, "audit", "show", response.id)
+    assert shown["request_id"] == response.id.removeprefix("chatcmpl-")
+    settings = shown["opened"]["settings"]
+    assert settings["model"] == str(default_model_path()) and settings["model_name"] == model
+    prefix = response.id[: len("chatcmpl-") + 10]
+    deadline = time.monotonic() + 20
+    while True:  # the spans reach the files within a moment
+        try:
+            spans = cli_json(pipeline, capsys, "trace", prefix)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, "no trace for the response id"
+            time.sleep(0.2)
+    assert any(s["attributes"].get("gen_ai.response.id") == shown["request_id"] for s in spans)
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_stream_cancels_its_request_at_once(pipeline):
+    pipeline.wait_until(_idle, what="no request left from earlier tests")
+    settings = [f"--set={item}" for item in pipeline.settings]
+    command = [sys.executable, "-m", "pipeline.cli", "stream", PROMPTS[1], "--chat", "--max-tokens=2000"]
+    command += ["--ignore-eos", "--drafter=none", *settings]
+    # As a terminal's shell starts a foreground job: SIGINT at its default, so Python turns it into
+    # KeyboardInterrupt (a job started in the background, `pytest &`, would pass it on ignored).
+    default_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.read(8), "no text streamed"
+        assert pipeline.status().active_requests == 1
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    request_id = err.decode().strip().rsplit(" ", 1)[-1]
+    assert err.decode().startswith(f"speclanes: cancelled request {request_id}")
+    pipeline.wait_until(_idle, timeout=5, what="the request cancelled (timeouts.client_idle is 60 s here)")
+    assert time.monotonic() - interrupted < 5
+    done = pipeline.summary(request_id)
+    assert done.finish_reason == "cancelled" and len(done.tokens) < 2000
+
+
+@pytest.mark.slow
+def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, capsys):
+    """Scraped after every request of this module has finished and been recorded (cancelled ones too)."""
+    for drafter in ("ngram", "none"):
+        client.completions.create(
+            model=model,
+            prompt=CODE,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"speculation": {"drafter": drafter}},
+        )
+    pipeline.wait_until(
+        lambda r: _idle(r) and r.queued_requests == 0 and r.audit_pending == 0, what="everything recorded"
+    )
+    with urllib.request.urlopen(f"{pipeline.gateway_url}/metrics", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=")  # prometheus_client's
+        found: dict[str, list] = {}
+        for family in text_string_to_metric_families(response.read().decode()):
+            for sample in family.samples:
+                found.setdefault(sample.name, []).append(sample)
+    status, audit = cli_json(pipeline, capsys, "status"), cli_json(pipeline, capsys, "audit", "stats")
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            s.value for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    drafted, accepted = total("speclanes_tokens_drafted_total"), total("speclanes_tokens_accepted_total")
+    assert accepted > 0
+    assert (drafted, accepted) == (status["totals"]["drafted"], status["totals"]["accepted"])
+    assert (drafted, accepted) == (audit["drafted"], audit["accepted"])
+    finished = total("gen_ai_server_request_duration_seconds_count")
+    assert finished == status["totals"]["runs"] == audit["finished_requests"] >= 2
+    cancelled = total(
+        "gen_ai_server_request_duration_seconds_count", gen_ai_response_finish_reasons="cancelled"
+    )
+    assert cancelled == audit["finish_reasons"].get("cancelled", 0)
+    assert total("speclanes_tokens_usage_total", gen_ai_token_type="output") == audit["output_tokens"]
+    kinds = collections.Counter(f["kind"] for f in status["faults"])
+    assert {
+        s.labels["speclanes_fault_kind"]: s.value for s in found.get("speclanes_faults_total", [])
+    } == kinds
+    restarts = {s.labels["speclanes_lane"]: s.value for s in found["speclanes_lane_restarts_total"]}
+    assert restarts == {lane["name"]: lane["restarts"] for lane in status["lanes"]}
+    up = {s.labels["speclanes_lane"]: s.value for s in found["speclanes_lane_up"]}
+    assert up == {lane["name"]: 1.0 for lane in status["lanes"]}  # gateway included
+    assert total("speclanes_requests_active") == total("speclanes_requests_queued") == 0
+    assert total("speclanes_step_duration_seconds_count", speclanes_lane="verify") > 0
+    assert 0 < total("gen_ai_server_time_to_first_token_seconds_count") <= finished  # some left before one
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from pipeline.protocol.messages import (
     Codec,
     ControlInbox,
     DataInbox,
+    Detokenize,
     Drafted,
     DraftInbox,
     DraftRequest,
@@ -40,6 +41,8 @@ from pipeline.protocol.messages import (
     LaneSnapshot,
     LaneStatus,
     LaneUp,
+    MetricsQuery,
+    MetricsReport,
     Open,
     Opened,
     Poll,
@@ -54,6 +57,9 @@ from pipeline.protocol.messages import (
     StepFailed,
     Submit,
     Submitted,
+    Text,
+    Tokenize,
+    Tokens,
     Verified,
     Verify,
     VerifyInbox,
@@ -261,6 +267,21 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     Poll: st.builds(Poll, request_id=ids, after=st.integers(-1, 2**31), wait=finite),
     Cancel: st.builds(Cancel, request_id=ids),
     StatusQuery: st.builds(StatusQuery),
+    MetricsQuery: st.builds(MetricsQuery),
+    Tokenize: st.builds(
+        Tokenize,
+        text=st.none() | text,
+        messages=st.none() | st.lists(st.dictionaries(st.sampled_from(["role", "content"]), text)),
+        add_special=st.none() | st.booleans(),
+        add_generation_prompt=st.booleans(),
+        with_pieces=st.booleans(),
+    ),
+    Detokenize: st.builds(Detokenize, tokens=tokens),
+    MetricsReport: st.builds(MetricsReport, text=text, content_type=text),
+    Tokens: st.builds(
+        Tokens, tokens=tokens, pieces=st.lists(st.binary(max_size=8), max_size=4), context_length=small
+    ),
+    Text: st.builds(Text, text=text),
     Submitted: st.builds(Submitted, request_id=ids, prompt_tokens=small),
     Chunks: st.builds(
         Chunks,
@@ -299,7 +320,7 @@ def union_messages(union: object) -> st.SearchStrategy:
 def test_every_union_member_has_a_strategy():
     every = {kind for union in UNIONS.values() for kind in members(union)}
     assert every == set(STRATEGIES)
-    assert len(every) == 28  # Close goes to the verify and the draft lane
+    assert len(every) == 34  # Close goes to the verify and the draft lane
 
 
 # --- round trips ----------------------------------------------------------------------

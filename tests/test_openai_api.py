@@ -92,17 +92,54 @@ def test_chat_messages_content_parts_and_roles():
     messages = [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]},
-        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": "", "name": "bot"},  # fields the template has no use for: ignored
+        {"role": "user", "content": []},
     ]
     submit = submit_of(chat(messages=messages), True)
     assert submit.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello, you"},
         {"role": "assistant", "content": ""},
+        {"role": "user", "content": ""},
     ]
-    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    assert rejected(chat(messages=image)).param == "messages.0.content"
     assert rejected(chat(messages=[])).param == "messages"
+
+
+def message_error(*messages: dict) -> ApiError:
+    error = rejected(chat(messages=[{"role": "system", "content": "Be brief."}, *messages]))
+    assert error.status == 400
+    return error
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "says"),
+    [
+        ({"role": "bogus", "content": "hi"}, "messages.1.role", "'bogus' is not a role"),
+        ({"role": "User", "content": "hi"}, "messages.1.role", "'User' is not a role"),
+        ({"role": "tool", "content": "42", "tool_call_id": "x"}, "messages.1.role", "does not support tools"),
+        ({"role": "function", "content": "42", "name": "f"}, "messages.1.role", "does not support tools"),
+        ({"role": "user", "content": None}, "messages.1.content", "missing or null"),
+        ({"role": "user"}, "messages.1.content", "missing or null"),
+        ({"role": "assistant", "content": None}, "messages.1.content", "missing or null"),
+        (  # OpenAI's one null content: an assistant turn that calls tools, which this server has not
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+            "messages.1.tool_calls", "does not support tools",
+        ),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
+            "messages.1.content.1.type", "'image_url' are not supported",
+        ),
+        ({"role": "user", "content": [{"type": "file"}]}, "messages.1.content.0.type", "'file'"),
+        ({"role": "user", "content": [{"type": "text"}]}, "messages.1.content.0.text", "must be a string"),
+        ({"role": "user", "content": [{"type": "text", "text": 7}]}, "messages.1.content.0.text", "string"),
+        ({"role": "user", "content": 7}, "messages", "Expected"),  # msgspec names the field it found wrong
+    ],
+)  # fmt: skip
+def test_a_bad_message_is_a_400_naming_its_field(message, param, says):
+    error = message_error(message)
+    assert error.param == param and says in error.message, error.message
+    if "tools" in says or "supported" in says:
+        assert error.code == "unsupported_parameter"
 
 
 def test_a_prompt_list_must_hold_one_string():

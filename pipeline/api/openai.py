@@ -10,40 +10,21 @@ are refused by name unless they ask for nothing (n = 1, a zero penalty).
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 import msgspec
 
+from pipeline.api.chat_messages import ChatMessage, chat_messages
+from pipeline.api.errors import ApiError, decode_json
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation, SpeculationError
+from pipeline.observability.request_ids import RESPONSE_PREFIXES
 from pipeline.protocol.client import submit_message
 from pipeline.protocol.messages import Submit
 
 DEFAULT_MAX_TOKENS = 128  # when a request names none (as `speclanes generate`)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request that names no temperature samples
-
-
-class ApiError(Exception):
-    """An error as OpenAI reports it: an HTTP status and {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers  # HTTP headers the response carries (Retry-After, Connection)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # The orchestrator's ErrorReply kinds (and the client's "unavailable") as HTTP errors.
@@ -123,16 +104,6 @@ class CompletionRequest(_Request, kw_only=True):
     suffix: str | None = None
 
 
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[ContentPart] | None = None
-
-
 class ChatRequest(_Request, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -140,22 +111,9 @@ class ChatRequest(_Request, kw_only=True):
     response_format: dict[str, Any] | None = None
 
 
-_AT = re.compile(r"at `\$\.([^`\[]+)")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
-
-
 def decode_request(body: bytes, chat: bool) -> CompletionRequest | ChatRequest:
     """Malformed JSON, a wrong type or a missing field: a 400 naming the field."""
-    try:
-        return msgspec.json.decode(body, type=ChatRequest if chat else CompletionRequest)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        found = _AT.search(text) or _MISSING.search(text)
-        raise ApiError(400, f"invalid request: {text}", param=found.group(1) if found else None) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:  # an unknown field nested thousands deep: refused, never a 500
-        raise ApiError(400, "the body's JSON nests too deeply", code="invalid_json") from None
+    return decode_json(body, ChatRequest if chat else CompletionRequest)
 
 
 def _neutral(req: CompletionRequest | ChatRequest) -> None:
@@ -225,28 +183,13 @@ def _speculation(options: SpeculationOptions | None) -> dict[str, Any]:
     return {"drafter": options.drafter, "k": k, "max_iterations": options.max_iterations}
 
 
-def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    if not messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise ApiError(400, "only text content parts are supported", param=f"messages.{i}.content")
-            content = "".join(part.text or "" for part in content)
-        role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": content or ""})
-    return out
-
-
 def to_submit(req: CompletionRequest | ChatRequest, model_id: str) -> Submit:
     """Every check a request gets before it reaches the pipeline, then the pipeline's Submit."""
     check_model(req.model, model_id)
     _neutral(req)
     params, speculation = sampling_params(req), _speculation(req.speculation)
     if isinstance(req, ChatRequest):
-        return submit_message(messages=_chat_messages(req.messages), params=params, **speculation)
+        return submit_message(messages=chat_messages(req.messages), params=params, **speculation)
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
@@ -298,7 +241,7 @@ class Formatter:
 
     def __init__(self, chat: bool, request_id: str, model: str, created: int, prompt_tokens: int) -> None:
         self.chat, self.model, self.created, self.prompt_tokens = chat, model, created, prompt_tokens
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.id = RESPONSE_PREFIXES["chat" if chat else "text"] + request_id  # what `audit show` takes
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -30,12 +30,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pipeline import __version__
+from pipeline.api import tokenize as token_api
 from pipeline.api.body import read_body
+from pipeline.api.errors import ApiError
 from pipeline.api.health import Health, judge, unreachable
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.openai import (
     DONE_EVENT,
-    ApiError,
     ChatRequest,
     Formatter,
     check_model,
@@ -46,6 +48,8 @@ from pipeline.api.openai import (
     to_submit,
 )
 from pipeline.decoding.result import Result
+from pipeline.model.default import default_model_path
+from pipeline.model.errors import ModelFileError
 from pipeline.protocol.client import AsyncClient, PipelineError
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import SpeculativeState
@@ -54,6 +58,7 @@ log = logging.getLogger(__name__)
 
 READY_CHECK_SECONDS = 2.0  # how long a readiness check may take before the answer is 503
 READY_TRUST_SECONDS = 1.0  # a successful check is reused this long
+VERSION_STATUS_SECONDS = 1.0  # /version waits this long for the verify lane's runtime, then says null
 CANCEL_SECONDS = 5.0
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -162,6 +167,52 @@ class Gateway:
         check_model(request.path_params["model"], self.model)
         return JSONResponse(self._model_card())
 
+    # --- beside the completions: metrics, the tokenizer, the version ---------------------
+
+    async def metrics(self, request: Request) -> Response:
+        """The whole pipeline's metrics, as the orchestrator counts them, in the Prometheus format."""
+        try:
+            report = await self.client.metrics(timeout=READY_CHECK_SECONDS)
+        except PipelineError as exc:
+            raise pipeline_error(exc.kind, exc.message) from None
+        return Response(report.text, headers={"Content-Type": report.content_type})
+
+    async def tokenize(self, request: Request) -> Response:
+        req = token_api.decode_tokenize(await read_body(request, self.config.gateway.max_body_bytes))
+        check_model(req.model, self.model)
+        param = "messages" if req.messages is not None else "prompt" if req.prompt is not None else "content"
+        reply = await self._tokenizer_call(token_api.to_tokenize(req), param)
+        return JSONResponse(token_api.tokenize_response(reply, req.with_pieces))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = token_api.decode_detokenize(await read_body(request, self.config.gateway.max_body_bytes))
+        check_model(req.model, self.model)
+        reply = await self._tokenizer_call(token_api.to_detokenize(req), "tokens")
+        return JSONResponse(token_api.detokenize_response(reply.text))
+
+    async def _tokenizer_call(self, message: Any, param: str) -> Any:
+        try:
+            return await self.client.tokenizer_call(message)
+        except PipelineError as exc:
+            raise pipeline_error(exc.kind, exc.message, param) from None
+
+    async def version(self, request: Request) -> Response:
+        """The package's version, the model served and the runtime computing it (the verify lane's,
+        once it has reported; null before)."""
+        try:
+            report = await self.client.status(timeout=VERSION_STATUS_SECONDS)
+            runtime = next((lane.runtime for lane in report.lanes if lane.name == "verify"), {})
+        except PipelineError:
+            runtime = {}
+        return JSONResponse(
+            {
+                "version": __version__, "model": self.model, "model_path": served_model_path(self.config),
+                "draft_model_path": self.config.model.draft_path or None,
+                "backend": runtime.get("backend"), "kernel_path": runtime.get("kernel_path"),
+                "configured_backend": self.config.model.backend,
+            }
+        )  # fmt: skip
+
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, chat=False)
 
@@ -250,6 +301,10 @@ class Gateway:
             Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
         ]
         handlers: dict[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
         keys = load_keys(self.config.gateway.api_key_file, os.environ)
@@ -275,6 +330,16 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     log.exception("request failed", exc_info=exc)
     error = ApiError(500, f"internal error: {exc!r}", type="server_error", code="internal")
     return JSONResponse(error.body(), 500)
+
+
+def served_model_path(config: Config) -> str | None:
+    """The target GGUF's path: model.path, or the default model's where it is installed."""
+    if config.model.path:
+        return config.model.path
+    try:
+        return str(default_model_path())
+    except ModelFileError:  # a gateway on a host without the model (the lanes are elsewhere)
+        return None
 
 
 def hypercorn_config(config: Config) -> hypercorn.Config:

@@ -19,6 +19,7 @@ from pipeline.audit.store import AuditStore
 from pipeline.protocol.messages import FaultEvent, LaneSnapshot, RequestOpened, SpeculativeEvent, StepEvent
 
 EXIT_FAIL, EXIT_INCOMPLETE = 1, 3
+REQUEST_HELP = "a request id, the HTTP response's id (chatcmpl-..., cmpl-...), or a unique prefix of either"
 
 
 def add_parser(sub: argparse._SubParsersAction, config_flags: Any) -> None:
@@ -37,10 +38,10 @@ def add_parser(sub: argparse._SubParsersAction, config_flags: Any) -> None:
     listing = command("list", "recorded requests, newest first")
     listing.add_argument("--limit", type=int, default=50, help="at most this many (0: all)")
     show = command("show", "one request: settings, prompt, every step and decision, summary")
-    show.add_argument("request", help="request id (a unique prefix will do)")
+    show.add_argument("request", help=REQUEST_HELP)
     command("stats", "totals over the store, and the latest snapshot of every lane")
     verify = command("verify", "re-run the target over the recorded tokens and check every decision")
-    verify.add_argument("request", help="request id (a unique prefix will do)")
+    verify.add_argument("request", help=REQUEST_HELP)
     verify.add_argument("--model", metavar="PATH", help="target GGUF (default: the one recorded)")
     verify.add_argument("--draft-model", metavar="PATH", help="draft GGUF (default: the one recorded)")
     verify.add_argument(

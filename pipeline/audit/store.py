@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 
+from pipeline.observability.request_ids import request_key, resolve
 from pipeline.protocol.messages import AuditEvent, AuditInbox, StepEvent, encode
 
 SCHEMA = """
@@ -85,16 +86,15 @@ class AuditStore:
             )
         ]
 
-    def resolve(self, prefix: str) -> str:
-        """The one request id starting with `prefix` (ids are long; a unique prefix will do)."""
+    def resolve(self, name: str) -> str:
+        """The one request `name` names: its id, the HTTP response's id (`chatcmpl-...`), or a
+        unique prefix of either. LookupError if none; AmbiguousId, listing them, if several."""
+        key = request_key(name)
         rows = self.db.execute(
             "SELECT DISTINCT request_id FROM events WHERE request_id != '' AND substr(request_id, 1, ?) = ?",
-            (len(prefix), prefix),
+            (len(key), key),
         ).fetchall()
-        if len(rows) != 1:
-            found = "no request" if not rows else f"{len(rows)} requests"
-            raise LookupError(f"{found} with id {prefix!r} in the audit store")
-        return rows[0][0]
+        return resolve(name, [r for (r,) in rows], "request", " in the audit store")
 
     def of_types(self, types: Iterable[str], request_id: str | None = None) -> list[AuditEvent]:
         """Events of the given types (oldest first), of one request or of all."""

@@ -17,3 +17,14 @@ def add_set_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for the bench's pipelines"
     )
+
+
+def add_common_flags(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """--model, --repeats and --json, which every benchmark takes."""
+    parser.add_argument(
+        "--model", metavar="PATH", help="the target GGUF (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=repeats, help=f"runs per figure, the median shown (default {repeats})"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")

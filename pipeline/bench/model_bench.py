@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.bench.flags import add_common_flags
 from pipeline.model import backend_key, default_model_path, load_model
 from pipeline.model.cpu import cpu_name, kernel_flags
 
@@ -228,13 +229,11 @@ def render(result: dict[str, Any]) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`speclanes bench model` and its flags."""
     parser = sub.add_parser("model", help="forward cost by block size vs the memory floor")
-    parser.add_argument("--model", metavar="PATH")
+    add_common_flags(parser, repeats=15)
     parser.add_argument(
         "--backends", default="native,torch,numpy", help="backends side by side (first: the subject)"
     )
     parser.add_argument("--context", type=int, default=512, help="tokens already in the cache")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's row")
 
 

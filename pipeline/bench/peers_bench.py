@@ -44,7 +44,7 @@ from pipeline.bench.common import (
     running_pipeline,
 )
 from pipeline.bench.common import progress as common_progress
-from pipeline.bench.flags import add_set_flag
+from pipeline.bench.flags import add_common_flags, add_set_flag
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
@@ -502,18 +502,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "peers", help="speclanes vs transformers and llama-cpp-python (ops/bench/install_peers.sh)"
     )
-    parser.add_argument("--model", metavar="PATH")
+    add_common_flags(parser, repeats=3)
     parser.add_argument("--peers", default="hf,llama_cpp", help="peers to run (skipped if missing)")
     parser.add_argument("--drafters", default="none,ngram,auto", help="speclanes drafters")
     parser.add_argument("--no-pipeline", action="store_true", help="speclanes in-process rows only")
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens (EOS ignored)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="peers' prompt-lookup drafts")
     parser.add_argument(
         "--output", default="ops/bench/peers.md", help="table file; the chart goes next to it ('-': none)"
     )
     add_set_flag(parser)
-    parser.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from pipeline.bench.common import (
     via_pipeline,
 )
 from pipeline.bench.common import progress as common_progress
-from pipeline.bench.flags import add_set_flag
+from pipeline.bench.flags import add_common_flags, add_set_flag
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -416,16 +416,14 @@ def with_reference(names: str) -> list[str]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`speclanes bench pipeline` and its flags."""
     parser = sub.add_parser("pipeline", help="pipeline vs in-process tokens/s, and 1 vs N concurrent clients")
-    parser.add_argument("--model", metavar="PATH")
+    add_common_flags(parser, repeats=3)
     parser.add_argument("--drafters", default="none,ngram,auto", help="single-stream drafters")
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128, help="single stream (EOS ignored)")
-    parser.add_argument("--load-drafters", default="none,auto")
+    parser.add_argument("--load-drafters", default="none,auto", help="drafters of the load test")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients in the load test")
     parser.add_argument("--load-tokens", type=int, default=80, help="new tokens per load request")
-    parser.add_argument("--load-repeats", type=int, default=2)
+    parser.add_argument("--load-repeats", type=int, default=2, help="runs of the load test (median shown)")
     add_set_flag(parser)
-    parser.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import json
 import statistics
 
 from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate
-from pipeline.bench.flags import add_backend_flag
+from pipeline.bench.flags import add_backend_flag, add_common_flags
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -97,7 +97,7 @@ def render(results: dict) -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`speclanes bench speculative` and its flags."""
     parser = sub.add_parser("speculative", help="every drafter vs plain decoding on three workloads")
-    parser.add_argument("--model", metavar="PATH")
+    add_common_flags(parser, repeats=3)
     add_backend_flag(parser)
     parser.add_argument("--draft-model", metavar="PATH", help="for the model drafter (default: the target)")
     parser.add_argument(
@@ -105,13 +105,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="none,ngram,ngram/linear,suffix,suffix/linear,auto,auto/linear,model",
         help="comma-separated; NAME/linear drafts one chain a step instead of a tree",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="runs per drafter and workload (medians)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per run")
     parser.add_argument(
         "--temperature", type=float, default=0.8, help="the seeded section's temperature (0: leave it out)"
     )
     parser.add_argument("--seed", type=int, default=1234, help="the seeded section's seed (default 1234)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def main(args: argparse.Namespace) -> int:

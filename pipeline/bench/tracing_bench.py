@@ -18,6 +18,7 @@ import time
 
 from pipeline.bench.common import WORKLOADS, running_pipeline, same_output, via_pipeline
 from pipeline.bench.common import progress as common_progress
+from pipeline.bench.flags import add_common_flags
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.client import Client
 
@@ -82,11 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "tracing", help="a traced pipeline vs one with OTEL_SDK_DISABLED, single stream, side by side"
     )
-    parser.add_argument("--model", metavar="PATH")
-    parser.add_argument("--drafters", default="none,ngram")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_common_flags(parser, repeats=3)
+    parser.add_argument("--drafters", default="none,ngram", help="comma-separated drafters, side by side")
     parser.add_argument("--max-tokens", type=int, default=128, help="per request (EOS ignored)")
-    parser.add_argument("--json", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -85,6 +85,7 @@ class Tokenizer:
         self.add_bos: bool = bool(info.get("add_bos"))
         self.chat_template: str | None = info.get("chat_template")
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self._added_tokens: dict[int, str] | None = None  # special and user-defined tokens, by id
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -118,6 +119,20 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.hf.id_to_token(token_id) or ""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. Byte-level BPE splits UTF-8 characters across tokens,
+        so a token's text alone can be a lone part of a character; its bytes are exact (what
+        llama-server's `/tokenize` with `with_pieces` shows for such a piece)."""
+        added = self._added().get(token_id)
+        if added is not None:
+            return added.encode()
+        return bytes(_BYTE_OF_CHAR[char] for char in self.token_text(token_id))
+
+    def _added(self) -> dict[int, str]:
+        if self._added_tokens is None:
+            self._added_tokens = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
+        return self._added_tokens
+
     def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
@@ -149,6 +164,27 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self._hf, token_id) or ""
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's `bytes_to_unicode`), reversed:
+    printable Latin-1 bytes stand for themselves, the other 68 are shifted past U+00FF."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + shifted)] = byte
+            shifted += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _info_from_metadata(meta: dict[str, Any]) -> dict[str, Any]:

@@ -4,16 +4,56 @@ The orchestrator sees every step of every request, so the speculation figures ar
 counted there once, whatever lane did the work: drafted and accepted tokens, acceptance
 by draft position, accepted length per step (its mean is the figure vLLM reports),
 step latency by lane as the request experiences it, time to first token, tokens/s and
-active requests. Names follow the GenAI semantic conventions where one exists.
+faults. What the orchestrator holds as state (requests decoding and queued, audit events
+pending, each lane's restarts and whether it is up) is read when metrics are collected
+(`observe`), so it is what `status` shows, whatever happened in between. Names follow the
+GenAI semantic conventions where one exists. The same instruments go out over OTLP and,
+through the gateway's `/metrics`, in the Prometheus format (observability/prometheus.py).
 """
 
 from __future__ import annotations
 
-from opentelemetry.metrics import Meter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 # Bucket edges in seconds for step latencies (tens of ms per forward) and request times.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 REQUEST_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+MAX_POSITIONS = 32  # draft positions counted (k is at most 32): bounded label values
+
+
+@dataclass(frozen=True)
+class LaneGauge:
+    up: bool
+    restarts: int
+
+
+@dataclass(frozen=True)
+class PipelineGauges:
+    """What the orchestrator holds now, as `status` reports it."""
+
+    running: int = 0  # requests decoding
+    queued: int = 0  # admitted, waiting for a running place
+    audit_pending: int = 0  # audit events not yet acknowledged
+    lanes: dict[str, LaneGauge] = field(default_factory=dict)
+
+
+class PositionTally:
+    """Draft tokens proposed and kept at each draft position, summed in plain lists: a step adds
+    to at most 2k numbers here, where a counter call per position would cost ~10 µs each on the
+    step's critical path. Exported as observable counters when metrics are collected."""
+
+    def __init__(self) -> None:
+        self.drafted = [0] * MAX_POSITIONS
+        self.accepted = [0] * MAX_POSITIONS
+
+    def add(self, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, MAX_POSITIONS)):
+            self.drafted[i] += 1
+        for i in range(min(accepted, MAX_POSITIONS)):
+            self.accepted[i] += 1
 
 
 class PipelineMetrics:
@@ -65,14 +105,87 @@ class PipelineMetrics:
         self.token_usage = meter.create_counter(
             "speclanes.tokens.usage", "{token}", "Prompt (input) and generated (output) tokens"
         )
-        self.active = meter.create_up_down_counter(
-            "speclanes.requests.active", "{request}", "Requests admitted and not yet finished"
-        )
         self.faults = meter.create_counter("speclanes.faults", "{fault}", "Faults by kind and lane")
         self.lane_attributes = {lane: {**self.base, "speclanes.lane": lane} for lane in ("draft", "verify")}
+        self.positions = PositionTally()
+        self.read: Callable[[], PipelineGauges] = PipelineGauges  # until `observe` names the source
+        self._observed(meter)
+
+    def _observed(self, meter: Meter) -> None:
+        """Instruments read when metrics are collected (an export or a `/metrics` scrape)."""
+        now = meter.create_observable_up_down_counter
+        now(
+            "speclanes.requests.active",
+            [self._one(lambda g: g.running)],
+            "{request}",
+            "Requests decoding now (admitted, not queued, not finished)",
+        )
+        now(
+            "speclanes.requests.queued",
+            [self._one(lambda g: g.queued)],
+            "{request}",
+            "Requests admitted and waiting for one of admission.max_running places",
+        )
+        now(
+            "speclanes.audit.pending",
+            [self._one(lambda g: g.audit_pending)],
+            "{event}",
+            "Audit events the audit lane has not yet acknowledged",
+        )
+        meter.create_observable_counter(
+            "speclanes.lane.restarts",
+            [self._lane_restarts],
+            "{restart}",
+            "Times the supervisor restarted each process after it died (as `status` shows)",
+        )
+        meter.create_observable_gauge(
+            "speclanes.lane.up",
+            [self._lanes_up],
+            "1",
+            "1 while the process is up, else 0 (starting, stalled, down or failed)",
+        )
+        meter.create_observable_counter(
+            "speclanes.position.drafted",
+            [self._position(self.positions.drafted)],
+            "{token}",
+            "Draft tokens proposed at each draft position (speclanes.position, from 0)",
+        )
+        meter.create_observable_counter(
+            "speclanes.position.accepted", [self._position(self.positions.accepted)], "{token}",
+            "Draft tokens kept at each draft position; over speclanes.position.drafted, the "
+            "acceptance by position")  # fmt: skip
+
+    def observe(self, read: Callable[[], PipelineGauges]) -> None:
+        """Where the state-like instruments read from (the orchestrator's hub)."""
+        self.read = read
+
+    def _one(
+        self, pick: Callable[[PipelineGauges], int]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        return lambda options: [Observation(pick(self.read()), self.base)]
+
+    def _lane_restarts(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(lane.restarts, {**self.base, "speclanes.lane": name})
+            for name, lane in self.read().lanes.items()
+        ]
+
+    def _lanes_up(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(int(lane.up), {**self.base, "speclanes.lane": name})
+            for name, lane in self.read().lanes.items()
+        ]
+
+    def _position(self, counts: list[int]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            return [
+                Observation(count, {**self.base, "speclanes.position": i})
+                for i, count in enumerate(counts) if count
+            ]  # fmt: skip
+
+        return observe
 
     def admitted(self, prompt_tokens: int) -> None:
-        self.active.add(1, self.base)
         self.token_usage.add(prompt_tokens, {**self.base, "gen_ai.token.type": "input"})
 
     def first_token(self, seconds: float) -> None:
@@ -87,6 +200,7 @@ class PipelineMetrics:
         self.accepted.add(accepted, attrs)
         if drafted:
             self.accepted_drafts.record(accepted, {**attrs, "speclanes.drafted": drafted})
+            self.positions.add(drafted, accepted)
         self.accepted_length.record(accepted + 1, attrs)
         if draft_seconds:
             self.step_duration.record(draft_seconds, self.lane_attributes["draft"])
@@ -94,7 +208,6 @@ class PipelineMetrics:
 
     def finished(self, output_tokens: int, seconds: float, finish_reason: str) -> None:
         attrs = {**self.base, "gen_ai.response.finish_reasons": finish_reason}
-        self.active.add(-1, self.base)
         self.token_usage.add(output_tokens, {**self.base, "gen_ai.token.type": "output"})
         self.request_duration.record(seconds, attrs)
         if seconds > 0:

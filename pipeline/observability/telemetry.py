@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -33,7 +33,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -126,6 +126,11 @@ def _exporter(signal: str, name: str, path: Path, environ: Mapping[str, str]) ->
 
 def _entry_point(signal: str, name: str) -> Any:
     """An installed exporter by its registered name (how the SDK's own auto-configuration finds them)."""
+    if (signal, name) == ("metrics", "prometheus"):  # its reader would bind port 9464 in every process
+        raise TelemetryError(
+            "OTEL_METRICS_EXPORTER=prometheus is not used here: the gateway serves the whole pipeline's "
+            "metrics in the Prometheus format at GET /metrics"
+        )
     found = entry_points(group=f"opentelemetry_{signal}_exporter", name=name)
     if not found:
         raise TelemetryError(f"OTEL_{signal.upper()}_EXPORTER: no exporter named {name!r} is installed")
@@ -161,9 +166,15 @@ class Telemetry:
 
     @classmethod
     def configure(
-        cls, component: str, directory: str | Path, run_id: str = "", environ: Mapping[str, str] | None = None
+        cls,
+        component: str,
+        directory: str | Path,
+        run_id: str = "",
+        environ: Mapping[str, str] | None = None,
+        readers: Sequence[MetricReader] = (),
     ) -> Telemetry:
-        """Providers and exporters as the OTEL_* environment asks (see the module docstring)."""
+        """Providers and exporters as the OTEL_* environment asks (see the module docstring), plus
+        `readers` of this process's own (the orchestrator's Prometheus exposition)."""
         environ = os.environ if environ is None else environ
         try:
             span_exporters = exporters("traces", component, Path(directory), environ)
@@ -180,11 +191,11 @@ class Telemetry:
         for exporter in span_exporters:
             tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=queue))  # type: ignore[arg-type]
         interval = None if "OTEL_METRIC_EXPORT_INTERVAL" in environ else DEFAULT_METRIC_INTERVAL_MS
-        readers = [
+        periodic = [
             PeriodicExportingMetricReader(e, export_interval_millis=interval)  # type: ignore[arg-type]
             for e in metric_exporters
         ]
-        return cls(tracer_provider, MeterProvider(resource=res, metric_readers=readers))
+        return cls(tracer_provider, MeterProvider(resource=res, metric_readers=[*periodic, *readers]))
 
     def shutdown(self) -> None:
         """Flush and close every exporter; called once on the way out of the process."""

@@ -19,6 +19,8 @@ from google.protobuf import json_format
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Status, TracesData
 
+from pipeline.observability.request_ids import ambiguous, request_key
+
 ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 
@@ -115,12 +117,29 @@ def traces(spans: list[SpanRecord]) -> dict[str, list[SpanRecord]]:
     return out
 
 
-def find_trace(spans: list[SpanRecord], key: str) -> list[SpanRecord]:
-    """A trace by its trace id or by the request id its spans carry."""
-    for trace_id, trace in traces(spans).items():
-        if trace_id == key or any(s.attributes.get("speclanes.request_id") == key for s in trace):
-            return trace
-    return []
+def find_trace(spans: list[SpanRecord], name: str) -> list[SpanRecord]:
+    """The trace `name` names: a trace id, a request id its spans carry, the HTTP response's id
+    (`chatcmpl-...`), or a unique prefix of one of these. LookupError if none; AmbiguousId, listing
+    the requests, if the prefix fits several traces."""
+    by_trace = traces(spans)
+    names: dict[str, str] = {}  # every id that names a trace -> that trace's id
+    for trace_id, trace in by_trace.items():
+        names[trace_id] = trace_id
+        names.update(
+            (s.attributes["speclanes.request_id"], trace_id)
+            for s in trace
+            if s.attributes.get("speclanes.request_id")
+        )
+    key = request_key(name)
+    if key in names:
+        return by_trace[names[key]]
+    fitting = sorted({trace for known, trace in names.items() if key and known.startswith(key)})
+    if not fitting:
+        raise LookupError(f"no trace or request with id {name!r}")
+    if len(fitting) > 1:  # listed by request id where the trace has one
+        requests = {trace: known for known, trace in names.items() if known != trace}
+        raise ambiguous(name, [requests.get(trace, trace) for trace in fitting], "trace")
+    return by_trace[fitting[0]]
 
 
 def summary_rows(spans: list[SpanRecord]) -> list[dict[str, Any]]:

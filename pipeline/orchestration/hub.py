@@ -85,7 +85,7 @@ class Hub:
         self.config, self.tokenizer, self.context_length = config, tokenizer, context_length
         self.tracing, self.lanes, self.journal = tracing, lanes, journal or Journal()
         self.front = ClientFront(config.timeouts)
-        self.ledger = Ledger(config.audit, lanes, self.journal)
+        self.ledger = Ledger(config.audit, lanes, self.journal, tracing.count_fault)
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
         self.closing: str | None = None  # the supervisor is stopping the pipeline: admit nothing new
         self.queue = AdmissionQueue(config.admission)
@@ -130,7 +130,7 @@ class Hub:
         )  # fmt: skip
         self.journal.opened(record)
         machine = self._track(record, now)
-        opened = opened_event(record, self.config.model.path, self.config.model.draft_path)
+        opened = opened_event(record, self.config)
         sends = self._record(opened, now) + self._start(machine, now)
         submitted = Submitted(request_id=request_id, prompt_tokens=len(admitted.tokens), secret=record.secret)
         return submitted, sends
@@ -322,12 +322,14 @@ class Hub:
         return sends
 
 
-def opened_event(record: OpenedRecord, model: str, draft_model: str) -> RequestOpened:
-    """The request's first audit event: what `audit verify` needs to re-run it."""
+def opened_event(record: OpenedRecord, config: Config) -> RequestOpened:
+    """The request's first audit event: what `audit verify` needs to re-run it (the model files),
+    and the name the model was served under (the HTTP API's model id)."""
+    model = config.model
     settings = {
         "params": msgspec.to_builtins(record.params), "drafter": record.speculation.drafter,
-        "k": record.speculation.fixed_k, "seed": record.seed,
-        "model": model, "draft_model": draft_model,  # "": the default
+        "k": record.speculation.fixed_k, "seed": record.seed, "model": model.path,
+        "model_name": config.model_id(), "draft_model": model.draft_path,  # draft_model "": none
     }  # fmt: skip
     return RequestOpened(
         event_id=f"{record.request_id}:opened", request_id=record.request_id, time=record.submitted,

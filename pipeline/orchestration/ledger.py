@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 
@@ -19,10 +20,19 @@ from pipeline.orchestration.lane_table import LaneTable
 from pipeline.protocol.config import Audit
 from pipeline.protocol.messages import AuditEvent, Fault, FaultEvent, LaneSnapshot, SpeculativeState, encode
 
+FaultCounter = Callable[[str, str], None]  # (kind, lane): the faults metric
+
+
+def no_count(kind: str, lane: str) -> None:
+    """No metrics to count into (a ledger built alone, in tests)."""
+
 
 class Ledger:
-    def __init__(self, settings: Audit, lanes: LaneTable, journal: Journal) -> None:
+    def __init__(
+        self, settings: Audit, lanes: LaneTable, journal: Journal, count_fault: FaultCounter = no_count
+    ) -> None:
         self.settings, self.lanes, self.journal = settings, lanes, journal
+        self.count_fault = count_fault  # every fault kept here (what `status` lists) is counted, once
         self.outbox = AuditOutbox()
         self.faults: collections.deque[Fault] = collections.deque(maxlen=KEPT_FAULTS)
         self.totals = SpeculativeState()
@@ -79,6 +89,7 @@ class Ledger:
 
     def fault(self, fault: Fault, now: float) -> list[Send]:
         self.faults.append(fault)
+        self.count_fault(fault.kind, fault.lane)
         self.journal.fault(msgspec.msgpack.encode(fault))
         event = FaultEvent(
             event_id=f"fault:{uuid.uuid4().hex}", request_id=fault.request_id or "",

@@ -11,9 +11,9 @@ from opentelemetry.trace import Span, SpanKind
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.speculation import Speculation
-from pipeline.observability.metrics import PipelineMetrics
+from pipeline.observability.metrics import LaneGauge, PipelineGauges, PipelineMetrics
 from pipeline.observability.telemetry import Telemetry, carrier, fail
-from pipeline.protocol.messages import LaneDown, Submit
+from pipeline.protocol.messages import LaneDown, StatusReport, Submit
 
 
 class RequestTracing:
@@ -64,14 +64,19 @@ class RequestTracing:
     def fault(
         self, kind: str, lane: str, message: str, request_ids: list[str], step: int | None = None
     ) -> None:
-        """Into the trace of every request it concerns, or a trace of its own if none."""
-        self.metrics.fault(kind, lane)
+        """Into the trace of every request it concerns, or a trace of its own if none (the Ledger,
+        which keeps every fault, counts it: `count_fault`)."""
         for request_id in request_ids:
             self.telemetry.fault(
                 self.roots.get(request_id), kind, lane, message, request_id=request_id, step=step
             )
         if not request_ids:
             self.telemetry.fault(None, kind, lane, message)
+
+    def count_fault(self, kind: str, lane: str) -> None:
+        """Into the faults metric: every fault the orchestrator keeps, whether it saw it itself or a
+        lane reported it (that lane traced it)."""
+        self.metrics.fault(kind, lane)
 
     def lane_down(self, msg: LaneDown, running: list[str]) -> None:
         attributes = {
@@ -115,3 +120,12 @@ class RequestTracing:
         if result.error is not None:
             fail(root, f"{result.error.kind}: {result.error.message}")
         root.end()
+
+
+def gauges_of(report: StatusReport) -> PipelineGauges:
+    """What the state-like metrics read at each collection: the numbers `status` shows."""
+    lanes = {lane.name: LaneGauge(up=lane.state == "up", restarts=lane.restarts) for lane in report.lanes}
+    return PipelineGauges(
+        running=report.active_requests, queued=report.queued_requests,
+        audit_pending=report.audit_pending, lanes=lanes,
+    )  # fmt: skip

@@ -34,14 +34,20 @@ from pipeline.protocol.messages import (
     Chunks,
     ClientReply,
     Codec,
+    Detokenize,
     ErrorReply,
     LaneStatus,
     Message,
+    MetricsQuery,
+    MetricsReport,
     Poll,
     StatusQuery,
     StatusReport,
     Submit,
     Submitted,
+    Text,
+    Tokenize,
+    Tokens,
     encode,
 )
 from pipeline.protocol.tls import socket_options
@@ -217,6 +223,17 @@ class Client(Endpoint):
     def status(self) -> StatusReport:
         return self.call(StatusQuery(), retry=True)
 
+    def metrics(self) -> MetricsReport:
+        """The pipeline's metrics in the Prometheus text format (what the gateway's /metrics serves)."""
+        return self.call(MetricsQuery(), retry=True)
+
+    def tokenize(self, text: str | None = None, **fields: Any) -> Tokens:
+        """The served model's ids for `text` (or `messages=[...]`); fields as `Tokenize` takes them."""
+        return self.call(Tokenize(text=text, **fields), retry=True)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.call(Detokenize(tokens=tokens), retry=True).text
+
     def wait_ready(self, timeout: float = 60.0, ours: Callable[[], bool] | None = None) -> StatusReport:
         """Until every lane this pipeline runs reports in (the orchestrator answering is not enough)
         or, a draft, audit or gateway lane, has failed (the pipeline serves on, degraded). `ours`,
@@ -309,3 +326,10 @@ class AsyncClient(Endpoint):
 
     async def status(self, timeout: float | None = None) -> StatusReport:
         return await self.call(StatusQuery(), retry=True, timeout=timeout)
+
+    async def metrics(self, timeout: float | None = None) -> MetricsReport:
+        return await self.call(MetricsQuery(), retry=True, timeout=timeout)
+
+    async def tokenizer_call(self, message: Tokenize | Detokenize) -> Tokens | Text:
+        """A `Tokenize` or `Detokenize` built elsewhere (the gateway's /tokenize and /detokenize)."""
+        return await self.call(message, retry=True)

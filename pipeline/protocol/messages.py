@@ -7,8 +7,8 @@ Sockets and what they carry (the receiving side listens, senders dial):
 - audit lane inbox (data): RequestOpened, StepEvent, SpeculativeEvent, FaultEvent, LaneSnapshot
 - orchestrator data inbox: Opened, Verified, Drafted, StepFailed, AuditAck
 - orchestrator control inbox: Fault, LaneUp, LaneDown, LaneFailed, Heartbeat, Shutdown
-- orchestrator client socket (req/rep): Submit, Poll, Cancel, StatusQuery -> Submitted, Chunks,
-  ErrorReply, StatusReport
+- orchestrator client socket (req/rep): Submit, Poll, Cancel, StatusQuery, MetricsQuery, Tokenize,
+  Detokenize -> Submitted, Chunks, ErrorReply, StatusReport, MetricsReport, Tokens, Text
 
 Work messages carry (request_id, step) so a repeat is recognised and answered from a cache
 rather than executed twice, and a W3C trace context so spans parent across processes.
@@ -368,13 +368,46 @@ class StatusReport(Message, frozen=True, kw_only=True):
     queued_requests: int = 0  # admitted, waiting for one of admission.max_running places
 
 
+class MetricsQuery(Message, frozen=True, kw_only=True):
+    """The orchestrator's metrics in the Prometheus text format (the gateway's `GET /metrics`)."""
+
+
+class MetricsReport(Message, frozen=True, kw_only=True):
+    text: str  # made by prometheus_client from the OpenTelemetry instruments, never by hand
+    content_type: str  # the exposition format's HTTP Content-Type
+
+
+class Tokenize(Message, frozen=True, kw_only=True):
+    """Text (or chat messages, through the chat template) to the ids a request would be given."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    add_special: bool | None = None  # the BOS token; None: as a prompt gets it (the model's own flag)
+    add_generation_prompt: bool = True  # messages only: end with the assistant's turn opening
+    with_pieces: bool = False  # also each token's text
+
+
+class Detokenize(Message, frozen=True, kw_only=True):
+    tokens: list[int]
+
+
+class Tokens(Message, frozen=True, kw_only=True):
+    tokens: list[int]
+    pieces: list[bytes] = []  # with_pieces: the bytes each token stands for (maybe part of a character)
+    context_length: int = 0  # the model's context, for the HTTP API's max_model_len
+
+
+class Text(Message, frozen=True, kw_only=True):
+    text: str
+
+
 VerifyInbox = Open | Verify | Close
 DraftInbox = DraftRequest | Close
 AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
 DataInbox = Opened | Verified | Drafted | StepFailed | AuditAck
 ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
-ClientRequest = Submit | Poll | Cancel | StatusQuery
-ClientReply = Submitted | Chunks | ErrorReply | StatusReport
+ClientRequest = Submit | Poll | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize
+ClientReply = Submitted | Chunks | ErrorReply | StatusReport | MetricsReport | Tokens | Text
 
 T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
