@@ -239,3 +239,18 @@ def test_trees_are_really_verified(tiny_target, monkeypatch):
     out = decode(tiny_target, prompt, SamplingParams(max_tokens=16, ignore_eos=True), NgramSource(1, 3), k=8)
     assert shapes.count(False) >= 1
     assert out.stats.nodes_per_step > 0
+
+
+def test_shorter_ngrams_add_weak_branches_and_a_later_drafter_keeps_a_share():
+    from pipeline.decoding.drafters.composite import prioritised
+    from pipeline.decoding.drafters.ngram import candidates
+
+    context = np.array([5, 6, 7, 1, 9, 9, 4, 7, 2, 5, 6, 7])  # "5 6 7" recurs once; "7" twice more
+    found = candidates(context, 3, 3, 5)
+    assert found[0][0] == [1, 9, 9] and found[0][1] > 0.8  # the long match leads
+    assert {tuple(t) for t, _ in found} >= {(1, 9, 9), (2, 5, 6)}  # the 1-gram "7" adds a branch
+    assert sum(w for _, w in found) == pytest.approx(1.0)
+    weak = candidates(np.array([1, 2, 3, 9, 4, 9]), 2, 3, 5)  # only a 1-gram match
+    assert sum(w for _, w in weak) == pytest.approx(0.01)
+    mixed = prioritised([[([1], 1.0)], [([2], 1.0)]])
+    assert mixed == [([1], 1.0), ([2], 0.25)]

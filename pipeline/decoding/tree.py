@@ -64,7 +64,8 @@ def merge(candidates: Sequence[tuple[Sequence[int], float]], max_nodes: int, max
     nodes and `max_depth` levels: (tokens, parents, shares).
 
     A node's weight is the sum of the weights of the candidates through it, its share that weight
-    over its parent's; the nodes kept are the best by the product of shares along their path,
+    over its parent's (the root weighs at least 1: candidates whose weights sum to less than 1 say
+    how likely any of them is, and their shares keep saying it); the nodes kept are the best by the product of shares along their path,
     discounted by DEPTH_DISCOUNT a level (a guess is less likely kept the deeper it is: the
     controller learns by how much, but only among the nodes proposed). A parent always comes
     before its children, and a tree of one candidate is that candidate's chain.
@@ -85,6 +86,7 @@ def merge(candidates: Sequence[tuple[Sequence[int], float]], max_nodes: int, max
                 token_of.append(token)
             weight[nxt] += w
             node = nxt
+    weight[0] = max(weight[0], 1.0)
     out_tokens: list[int] = []
     out_parents: list[int] = []
     out_shares: list[float] = []

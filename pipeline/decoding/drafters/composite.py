@@ -6,8 +6,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal, tree_proposal
+from pipeline.decoding.drafters import EMPTY, Candidates, Drafter, DraftSource, Proposal, tree_proposal
 from pipeline.decoding.sampling import SamplingParams
+
+
+LATER_SHARE = 0.25  # the least weight a later drafter's candidates keep under a confident earlier one
+
+
+def prioritised(found: list[Candidates]) -> Candidates:
+    """Each drafter's candidates, in order, get the weight the earlier ones left (at least
+    LATER_SHARE of it), as the chain mode takes the first drafter with a proposal."""
+    out: Candidates = []
+    left = 1.0
+    for candidates in found:
+        total = sum(w for _, w in candidates)
+        scale = left if not out else max(left, LATER_SHARE)
+        out += [(tokens, w * scale) for tokens, w in candidates]
+        left = max(0.0, left - total * scale)
+    return out
 
 
 class CompositeDrafter:
@@ -18,7 +34,7 @@ class CompositeDrafter:
         if tree and k > 0:
             found = [c for d in self.drafters if hasattr(d, "candidates") and (c := d.candidates(context, k))]
             if found:
-                return tree_proposal(self.name, [(p, w / len(found)) for c in found for p, w in c], k)
+                return tree_proposal(self.name, prioritised(found), k)
         for drafter in self.drafters:
             if tree and hasattr(drafter, "candidates"):
                 continue  # asked above, with nothing to offer

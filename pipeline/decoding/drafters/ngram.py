@@ -12,7 +12,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from pipeline.decoding.drafters import EMPTY, NoDrafter, Proposal, tree_proposal
 from pipeline.decoding.sampling import SamplingParams
 
-MAX_MATCHES = 16  # the most recent matches a tree is built from
+MAX_MATCHES = 16  # the most recent matches of each n-gram size a tree is built from
+SHORTER_WEIGHT = 0.1
 
 
 def matches(context: np.ndarray, min_n: int, max_n: int) -> tuple[int, np.ndarray]:
@@ -35,13 +36,21 @@ def lookup(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
 
 
 def candidates(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[tuple[list[int], float]]:
-    """What followed each of the latest matches (up to k tokens each), weighted equally but for a
-    hair more the more recent, so the newest wins a tie as in `lookup`; the weights sum to 1."""
-    _, ends = matches(context, min_n, max_n)
-    ends = ends[-MAX_MATCHES:]
-    weights = 1.0 + 0.01 * np.arange(ends.size)
-    weights /= weights.sum() if ends.size else 1.0
-    return [(context[e : e + k].tolist(), float(w)) for e, w in zip(ends, weights, strict=True)]
+    """What followed each of the latest matches (up to k tokens each): the longest matching
+    n-gram's matches weigh most (equally, but for a hair more the more recent, so the newest wins a
+    tie as in `lookup`), each shorter n-gram's (down to 1) SHORTER_WEIGHT times less; the weights
+    sum to 1, or to less when even the longest match is shorter than min_n. Shorter n-grams add the branches a long match misses where the output departs from
+    its source (a renamed variable, an inserted line)."""
+    found: list[tuple[list[int], float]] = []
+    longest, _ = matches(context, 1, max_n)
+    for n in range(longest, 0, -1) if longest else ():
+        _, ends = matches(context, n, n)
+        ends = ends[-MAX_MATCHES:]
+        weights = (1.0 + 0.01 * np.arange(ends.size)) * SHORTER_WEIGHT ** (longest - n)
+        found += [(context[e : e + k].tolist(), float(w)) for e, w in zip(ends, weights, strict=True)]
+    # Matching fewer than min_n tokens is weak evidence: such candidates share less than the whole.
+    total = sum(w for _, w in found) / SHORTER_WEIGHT ** max(0, min_n - longest) or 1.0
+    return [(tokens, w / total) for tokens, w in found]
 
 
 class NgramDrafter(NoDrafter):
