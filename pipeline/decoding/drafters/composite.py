@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pipeline.decoding.drafters import EMPTY, Candidates, Drafter, DraftSource, Proposal, tree_proposal
 from pipeline.decoding.sampling import SamplingParams
 
-
 LATER_SHARE = 0.25  # the least weight a later drafter's candidates keep under a confident earlier one
 
 
