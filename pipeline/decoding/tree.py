@@ -60,15 +60,15 @@ def check(tokens: Sequence[int], parents: Sequence[int] | None) -> str | None:
 def merge(candidates: Sequence[tuple[Sequence[int], float]], max_nodes: int, max_depth: int) -> tuple[
     list[int], list[int], list[float]
 ]:  # fmt: skip
-    """Candidate continuations (tokens, weight) merged into a prefix tree of at most `max_nodes`
-    nodes and `max_depth` levels: (tokens, parents, shares).
+    """Candidate continuations (tokens, weight) merged into a prefix tree of at most `max_nodes` nodes
+    and `max_depth` levels: (tokens, parents, shares).
 
     A node's weight is the sum of the weights of the candidates through it, its share that weight
     over its parent's (the root weighs at least 1: candidates whose weights sum to less than 1 say
-    how likely any of them is, and their shares keep saying it); the nodes kept are the best by the product of shares along their path,
-    discounted by DEPTH_DISCOUNT a level (a guess is less likely kept the deeper it is: the
-    controller learns by how much, but only among the nodes proposed). A parent always comes
-    before its children, and a tree of one candidate is that candidate's chain.
+    how likely any of them is, and their shares keep saying it); the nodes kept are the best by the
+    product of shares along their path, discounted by DEPTH_DISCOUNT a level (a guess is less likely
+    kept the deeper it is: the controller learns by how much, but only among the nodes proposed). A
+    parent always comes before its children, and a tree of one candidate is that candidate's chain.
     """
     children: list[dict[int, int]] = [{}]  # trie node -> {token: trie node}; trie node 0 is the root
     weight, token_of = [0.0], [-1]

@@ -36,11 +36,13 @@ def lookup(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
 
 
 def candidates(context: np.ndarray, k: int, min_n: int, max_n: int) -> list[tuple[list[int], float]]:
-    """What followed each of the latest matches (up to k tokens each): the longest matching
-    n-gram's matches weigh most (equally, but for a hair more the more recent, so the newest wins a
-    tie as in `lookup`), each shorter n-gram's (down to 1) SHORTER_WEIGHT times less; the weights
-    sum to 1, or to less when even the longest match is shorter than min_n. Shorter n-grams add the branches a long match misses where the output departs from
-    its source (a renamed variable, an inserted line)."""
+    """What followed each of the latest matches (up to k tokens each): the longest matching n-gram's
+    matches weigh most (equally, but for a hair more the more recent, so the newest wins a tie as in
+    `lookup`), each shorter n-gram's (down to 1) SHORTER_WEIGHT times less; the weights sum to 1, or
+    to less when even the longest match is shorter than min_n. Shorter n-grams add the branches a
+    long match misses where the output departs from its source (a renamed variable, an inserted
+    line).
+    """
     found: list[tuple[list[int], float]] = []
     longest, _ = matches(context, 1, max_n)
     for n in range(longest, 0, -1) if longest else ():
