@@ -24,7 +24,14 @@ import msgspec
 import numpy as np
 
 from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
-from pipeline.decoding.sampling import sample_at
+from pipeline.decoding.sampling import TargetRows, sample_at
+
+
+class ProbabilityRows(TargetRows):
+    """Rows given as probabilities already (tests, replays): sampled as `sample_at` samples."""
+
+    def __init__(self, probs: np.ndarray) -> None:
+        self.logits, self.best, self._probs = probs, None, dict(enumerate(probs))
 
 
 class Decision(msgspec.Struct, frozen=True, array_like=True):
@@ -102,7 +109,7 @@ def verify(
 
 
 def verify_tree(
-    tokens: list[int], parents: list[int], target_probs: np.ndarray, seed: int, start: int
+    tokens: list[int], parents: list[int], target: TargetRows | np.ndarray, seed: int, start: int
 ) -> Verdict:
     """The deterministic rule on a token tree: from the root, sample the target's own token at
     each position (number SAMPLE, keyed by the position); while a child of the current node
@@ -113,7 +120,8 @@ def verify_tree(
 
     Decisions: one per level reached that had children, for the child kept, or for the first
     child when none was (its `replacement` is the token emitted instead)."""
-    if target_probs.shape[0] != len(tokens) + 1:
+    rows = target if isinstance(target, TargetRows) else ProbabilityRows(target)
+    if rows.logits.shape[0] != len(tokens) + 1:
         raise ValueError(f"need {len(tokens) + 1} target rows for {len(tokens)} draft nodes")
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents):
@@ -123,15 +131,14 @@ def verify_tree(
     node = -1
     while True:
         depth = len(kept)
-        q_row = target_probs[node + 1]
-        sampled, u = sample_at(q_row, seed, start + depth, SAMPLE)
+        sampled, u = rows.sample(node + 1, seed, start + depth)
         below = children.get(node, [])
         match = next((c for c in below if tokens[c] == sampled), None)
         if match is None:
             if below:
                 first = tokens[below[0]]
-                decisions.append(Decision(depth, first, 1.0, float(q_row[first]), u, False, sampled))
+                decisions.append(Decision(depth, first, 1.0, rows.q(node + 1, first), u, False, sampled))
             return Verdict([*(tokens[n] for n in kept), sampled], depth, decisions, u, kept)
-        decisions.append(Decision(depth, sampled, 1.0, float(q_row[sampled]), u, True, None))
+        decisions.append(Decision(depth, sampled, 1.0, rows.q(node + 1, sampled), u, True, None))
         kept.append(match)
         node = match

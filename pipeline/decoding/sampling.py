@@ -122,3 +122,34 @@ def sample_at(probs: np.ndarray, seed: int, position: int, purpose: int = SAMPLE
         return int(support[0]), None
     u = uniform(seed, position, purpose)
     return draw(probs, u), u
+
+
+class TargetRows:
+    """The target's distributions for a block of logits rows, computed only for the rows a
+    verdict visits: a deterministic draft is decided row by row down the kept path, so the rows
+    past the first rejection (and a tree's other branches) never need their float64
+    probabilities. Greedy rows are their argmax, read from the logits as `target_probs` would
+    (the one-hot of the first argmax; float32 to float64 is exact). Same tokens, same numbers as
+    `sample_at(target_probs(row))`, without the (rows, vocab) arrays."""
+
+    def __init__(self, logits: np.ndarray, params: SamplingParams) -> None:
+        self.logits, self.params = logits, params
+        self.best = logits.argmax(axis=-1) if params.greedy else None
+        self._probs: dict[int, np.ndarray] = {}
+
+    def probs(self, row: int) -> np.ndarray:
+        if row not in self._probs:
+            self._probs[row] = target_probs(self.logits[row], self.params)
+        return self._probs[row]
+
+    def sample(self, row: int, seed: int, position: int) -> tuple[int, float | None]:
+        """The target's own token for `row`, with the number keyed by (seed, position)."""
+        if self.best is not None:
+            return int(self.best[row]), None
+        return sample_at(self.probs(row), seed, position)
+
+    def q(self, row: int, token: int) -> float:
+        """The target's probability of `token` at `row`."""
+        if self.best is not None:
+            return float(token == int(self.best[row]))
+        return float(self.probs(row)[token])

@@ -10,8 +10,8 @@ import numpy as np
 from pipeline.decoding.acceptance import Verdict, verify, verify_tree
 from pipeline.decoding.drafters import Proposal
 from pipeline.decoding.grammar.rows import constraint_for
-from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
-from pipeline.decoding.tree import rows_parents
+from pipeline.decoding.sampling import SamplingParams, TargetRows, target_probs
+from pipeline.decoding.tree import chain, rows_parents
 from pipeline.model import Runtime
 
 
@@ -36,7 +36,7 @@ class TargetState:
         """The token after the prompt, from the prompt's last logits row (fed whole or in chunks)."""
         if self.grammar is not None:
             last_logits = self.grammar.next_row(last_logits)
-        token, u = sample_at(target_probs(last_logits, self.params), self.seed, self.cache.length)
+        token, u = TargetRows(last_logits[None], self.params).sample(0, self.seed, self.cache.length)
         self.draws += u is not None
         if self.grammar is not None:
             self.grammar.commit([token])
@@ -64,12 +64,14 @@ class TargetState:
         start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
         if self.grammar is not None:
             logits, draft_probs = self.grammar.constrain(logits, drafts, draft_probs, parents)
-        probs = target_probs(logits, self.params)
+        if draft_probs is not None:  # sampled drafts: the min(1, q/p) rule on whole rows
+            verdict = verify(drafts, draft_probs, target_probs(logits, self.params), self.seed, start)
+        else:  # a chain is a tree too: only the rows down the kept path are computed
+            shape = chain(len(drafts)) if parents is None else parents
+            verdict = verify_tree(drafts, shape, TargetRows(logits, self.params), self.seed, start)
         if parents is None:
-            verdict = verify(drafts, draft_probs, probs, self.seed, start)
             self.cache.truncate(start + verdict.accepted)
         else:
-            verdict = verify_tree(drafts, parents, probs, self.seed, start)
             self.cache.keep(start - 1, [0, *(node + 1 for node in verdict.path)])
         if self.grammar is not None:
             self.grammar.commit(verdict.tokens)
