@@ -119,7 +119,7 @@ def audited_run(
         drafted = proposal.tokens[:want]
         probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
         logits = target.forward(state.cache, [session.context[-1], *drafted])
-        verdict = state.conclude(logits, drafted, probs)
+        verdict = state.conclude(logits, drafted, probs, pending=session.context[-1])
         session.record(len(drafted), verdict.tokens, verdict.accepted, 0.0, 0.0)
         step += 1
         events.append(

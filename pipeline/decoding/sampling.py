@@ -16,10 +16,15 @@ import numpy as np
 from pipeline.decoding.noise import SAMPLE, uniform
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]; -100 bans the token (`controls`)
+PENALTY_LIMIT = 2.0  # OpenAI's (and vLLM's) range for presence and frequency penalties: [-2, 2]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How a request chooses tokens and when it stops. temperature 0 means greedy."""
+    """How a request chooses tokens and when it stops. temperature 0 means greedy.
+
+    The controls that read the context (logit_bias, the three penalties) are applied by
+    `controls.shaped_logits`; min_p, like temperature, top-k and top-p, by `target_probs`."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -28,8 +33,17 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one (vLLM)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far (OpenAI)
+    repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of seen tokens (vLLM)
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100] (OpenAI)
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_controls()
+
+    def _check_sampling(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -45,6 +59,21 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
+    def _check_controls(self) -> None:
+        """The ranges vLLM checks (and OpenAI documents), with its messages."""
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -59,7 +88,9 @@ def request_seed(seed: int | None) -> int:
 
 
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution a token is drawn from: temperature, then top-k, then top-p.
+    """The distribution a token is drawn from: temperature, then min-p, then top-k, then top-p
+    (vLLM's order). `logits` are the model's, or `controls.shaped_logits` of them when the
+    request uses logit_bias or penalties.
 
     Works on one row (vocab,) or a block of rows (n, vocab); returns float64 rows
     that sum to 1. Greedy gives the one-hot of the first argmax.
@@ -70,6 +101,8 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
         return probs
     scaled = logits / params.temperature
+    if params.min_p > 0.0:
+        scaled = _min_p(scaled, params.min_p)
     if 0 < params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)
@@ -78,6 +111,13 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1.0:
         probs = _top_p(probs, scaled, params.top_p)
     return probs
+
+
+def _min_p(scaled: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop the tokens less than min_p times as likely as the most likely one (after temperature).
+    The ratio is exp(logit - max logit), so the most likely token (ratio 1) always stays."""
+    ratio = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    return np.where(ratio < min_p, -np.inf, scaled)
 
 
 def _top_p(probs: np.ndarray, scaled: np.ndarray, top_p: float) -> np.ndarray:

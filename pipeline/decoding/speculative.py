@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
@@ -36,6 +37,8 @@ def decode(
     The drafter is `source` (k, k_max and max_iterations are checked as `Speculation` checks them)."""
     speculation = Speculation(k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations)
     check_prompt(prompt_tokens, model.cfg.context_length)
+    if (problem := vocabulary_problem(params, model.cfg.vocab_size)) is not None:
+        raise ValueError(problem)
     assert model.tokenizer is not None
     seed = request_seed(params.seed)
     session = Session(model.tokenizer, model.cfg.context_length, prompt_tokens, params, speculation)
@@ -58,7 +61,7 @@ def decode(
 
         t0 = time.perf_counter()
         logits = model.forward(target.cache, [context[-1], *drafted])
-        verdict = target.conclude(logits, drafted, probs)
+        verdict = target.conclude(logits, drafted, probs, pending=context[-1])
         verify_seconds = time.perf_counter() - t0
         emit(session.record(len(drafted), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds))
         drafter.accept(session.context)
