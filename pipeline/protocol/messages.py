@@ -286,8 +286,11 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 
 class Submit(Message, frozen=True, kw_only=True):
+    """A prompt given one of three ways: text (`prompt`), chat `messages`, or token ids."""
+
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None  # the prompt as the model's token ids, used as given
     chat: bool = False
     params: SamplingParams = SamplingParams()
     drafter: str | None = None  # None: the configured default
