@@ -29,7 +29,7 @@ from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
 from pipeline.decoding.speculative import decode
 from pipeline.model import load_model
-from pipeline.protocol.messages import ErrorReply, Open, Submit
+from pipeline.protocol.messages import DraftRequest, ErrorReply, Open, StepFailed, Submit
 
 from .orchestration_harness import World
 from .test_audit import audited_run
@@ -373,9 +373,16 @@ def test_admission_checks_token_prompts_and_the_bias_against_the_vocabulary(mode
         assert isinstance(reply, ErrorReply) and reply.kind == "bad_request", name
         assert expected in reply.message, (name, reply.message)
         assert sends == []
+    # The lanes check what reaches them directly too: a bad request costs it a step, never the lane.
     reprime = Open(request_id="r", step=0, tokens=[5, 6], params=GREEDY, seed=1, prompt_length=3)
     verifier_reply = world.verifier.open(reprime)
     assert verifier_reply is not None and "prompt length 3 for 2 tokens" in verifier_reply.message
+    outside = SamplingParams(logit_bias={vocab: 1.0})
+    draft = DraftRequest(
+        request_id="r", step=1, drafter="ngram", params=outside, seed=1, prompt_length=2, context=[5, 6], k=2
+    )
+    draft_reply = world.drafts.draft(draft)
+    assert isinstance(draft_reply, StepFailed) and "outside the model's vocabulary" in draft_reply.message
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
