@@ -144,6 +144,7 @@ def test_the_sampling_controls_reach_the_submit():
         ({"min_p": 1.5}, "min_p"),
         ({"logit_bias": {"50256": -101}}, "logit_bias"),
         ({"logit_bias": {"the": 1}}, "logit_bias"),
+        ({"logit_bias": {str(2**70): 1}}, "logit_bias"),  # a key past any vocabulary (and msgpack's ints)
         ({"logit_bias": {"50256": "ban"}}, "logit_bias"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -17,6 +17,7 @@ from pipeline.decoding.noise import SAMPLE, uniform
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]; -100 bans the token (`controls`)
+TOKEN_ID_LIMIT = 2**31  # any vocabulary is far smaller; the bound keeps a token id in 32 bits
 PENALTY_LIMIT = 2.0  # OpenAI's (and vLLM's) range for presence and frequency penalties: [-2, 2]
 
 
@@ -69,8 +70,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         for token, bias in self.logit_bias.items():
-            if token < 0:
-                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not 0 <= token < TOKEN_ID_LIMIT:
+                raise ValueError(f"logit_bias token ids must be in [0, 2**31), got {token}")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
