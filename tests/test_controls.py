@@ -45,7 +45,7 @@ def reference_row(
     """One row shaped token by token, in Python floats, as vLLM describes it: the bias (-100 bans),
     then the repetition penalty over prompt and output, then frequency and presence over the output."""
     out = [float(x) for x in row]
-    for token, bias in params.logit_bias.items():
+    for token, bias in params.logit_bias:
         out[token] = -math.inf if bias == -100 else out[token] + bias
     counts, seen = Counter(generated), {*prompt, *generated}
     for token, value in enumerate(out):
@@ -96,7 +96,7 @@ def test_shaping_is_the_token_by_token_definition(case):
 @given(case=shaping_cases())
 def test_penalties_touch_only_tokens_in_the_row_s_history(case):
     logits, params, context, prompt_length, paths = case
-    params = msgspec.structs.replace(params, logit_bias={})
+    params = msgspec.structs.replace(params, logit_bias=())
     shaped = shaped_logits(logits, params, context, prompt_length, paths)
     for row, before, path in zip(shaped, logits, paths, strict=True):
         untouched = np.ones(len(row), dtype=bool)
@@ -128,7 +128,7 @@ def test_rows_give_the_same_numbers_in_any_grouping(case, data):
 @given(case=shaping_cases(), top_k=st.sampled_from([0, 1, 3]), top_p=st.sampled_from([1.0, 0.9, 0.3]))
 def test_a_bias_of_minus_100_removes_the_token_from_every_distribution(case, top_k, top_p):
     logits, params, context, prompt_length, paths = case
-    banned = [t for t, bias in params.logit_bias.items() if bias == -100]
+    banned = [t for t, bias in params.logit_bias if bias == -100]
     params = msgspec.structs.replace(params, top_k=top_k, top_p=top_p)
     probs = shaped_probs(logits, params, context, prompt_length, paths)
     assert np.all(probs[:, banned] == 0.0)
@@ -195,6 +195,21 @@ def test_the_edges_of_each_range_are_accepted():
     SamplingParams(logit_bias={0: -100, 1: 100})
 
 
+def test_a_bias_is_kept_as_sorted_pairs_so_the_params_stay_hashable_and_travel():
+    """Requests are cached and compared by their params; a dict would make them unhashable."""
+    params = SamplingParams(logit_bias={9: 1, 5: -100})
+    assert (
+        params.logit_bias
+        == ((5, -100.0), (9, 1.0))
+        == SamplingParams(logit_bias=[(9, 1), (5, -100)]).logit_bias
+    )
+    assert hash(params) == hash(SamplingParams(logit_bias={5: -100, 9: 1.0}))
+    for codec in (msgspec.msgpack, msgspec.json):
+        assert codec.decode(codec.encode(params), type=SamplingParams) == params
+    with pytest.raises(ValueError, match="names a token id twice"):
+        SamplingParams(logit_bias=[(1, 2.0), (1, 3.0)])
+
+
 def test_the_vocabulary_bounds_the_bias():
     assert vocabulary_problem(SamplingParams(logit_bias={9: 1.0}), 10) is None
     outside = vocabulary_problem(SamplingParams(logit_bias={10: 1}), 10)
@@ -210,7 +225,7 @@ def test_cli_flags_become_the_controls_and_bad_ones_end_in_one_error_line(capsys
     ])  # fmt: skip
     params = cli._sampling(args)
     assert (params.min_p, params.presence_penalty, params.frequency_penalty) == (0.1, 0.5, -0.5)
-    assert params.repetition_penalty == 1.2 and params.logit_bias == {7: -100.0, 9: 2.5}
+    assert params.repetition_penalty == 1.2 and params.logit_bias == ((7, -100.0), (9, 2.5))
     for bad, words in (("--logit-bias=7", "TOKEN=BIAS"), ("--min-p=2", "min_p must be in [0, 1]")):
         assert cli.main(["generate", "x", bad]) == 2  # refused before any model is loaded
         assert words in capsys.readouterr().err

@@ -122,7 +122,7 @@ def test_the_sampling_controls_reach_the_submit():
     )  # fmt: skip
     p = submit_of(body, True).params
     assert (p.presence_penalty, p.frequency_penalty, p.min_p, p.repetition_penalty) == (0.5, -1.5, 0.05, 1.2)
-    assert p.logit_bias == {50256: -100.0, 7: 2.5}
+    assert p.logit_bias == ((7, 2.5), (50256, -100.0))
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ The semantics are vLLM's, in its order: the bias is added first (OpenAI: "-100 s
 ban", so -100 bans the token outright; any other bias is added); then the repetition penalty over
 the prompt and the generated tokens divides a positive logit and multiplies a negative one; then
 the frequency penalty (times each generated occurrence) and the presence penalty (once per
-generated token) are subtracted. Entries of tokens outside the history are left bit for bit as
-they were. Temperature, min-p, top-k and top-p follow in `sampling.target_probs`.
+generated token) are subtracted. The penalties leave the entry of a token outside a row's history
+bit for bit as it was. Temperature, min-p, top-k and top-p follow in `sampling.target_probs`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def penalised(params: SamplingParams) -> bool:
 def vocabulary_problem(params: SamplingParams, vocab_size: int) -> str | None:
     """What makes the controls unusable with this vocabulary: a bias for a token id the model does
     not have, or a ban of every token (no distribution is left to draw from)."""
-    outside = [t for t in params.logit_bias if t >= vocab_size]
+    outside = [t for t, _ in params.logit_bias if t >= vocab_size]
     if outside:
         return f"logit_bias names token id {min(outside)}, outside the model's vocabulary [0, {vocab_size})"
-    banned = sum(bias <= -LOGIT_BIAS_LIMIT for bias in params.logit_bias.values())
+    banned = sum(bias <= -LOGIT_BIAS_LIMIT for _, bias in params.logit_bias)
     if banned >= vocab_size:
         return "logit_bias bans every token of the vocabulary (-100 bans a token)"
     return None
@@ -98,9 +98,9 @@ def generated_counts(generated: Sequence[int], paths: Sequence[Sequence[int]], v
     return counts
 
 
-def _add_bias(rows: np.ndarray, logit_bias: dict[int, float]) -> None:
-    ids = np.fromiter(logit_bias.keys(), dtype=np.int64, count=len(logit_bias))
-    bias = np.fromiter(logit_bias.values(), dtype=np.float64, count=len(logit_bias))
+def _add_bias(rows: np.ndarray, logit_bias: tuple[tuple[int, float], ...]) -> None:
+    ids = np.array([token for token, _ in logit_bias], dtype=np.int64)
+    bias = np.array([value for _, value in logit_bias], dtype=np.float64)
     rows[:, ids] = np.where(bias <= -LOGIT_BIAS_LIMIT, -np.inf, rows[:, ids] + bias)
 
 

@@ -9,6 +9,7 @@ number that can be recorded and replayed.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import msgspec
 import numpy as np
@@ -38,10 +39,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (OpenAI)
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far (OpenAI)
     repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of seen tokens (vLLM)
-    logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    # token id -> added to its logit, in [-100, 100] (OpenAI). Given as a mapping or as pairs, kept
+    # as (token, bias) pairs sorted by token: a dict would make the params unhashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_sampling()
+        bias = self.logit_bias
+        pairs = sorted((int(t), float(b)) for t, b in (bias.items() if isinstance(bias, Mapping) else bias))
+        msgspec.structs.force_setattr(self, "logit_bias", tuple(pairs))
         self._check_controls()
 
     def _check_sampling(self) -> None:
@@ -69,7 +75,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
-        for token, bias in self.logit_bias.items():
+        tokens = [token for token, _ in self.logit_bias]
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("logit_bias names a token id twice")
+        for token, bias in self.logit_bias:
             if not 0 <= token < TOKEN_ID_LIMIT:
                 raise ValueError(f"logit_bias token ids must be in [0, 2**31), got {token}")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
