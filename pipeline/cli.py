@@ -143,6 +143,16 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     )
     gen.add_argument("--k", default="auto", help="draft tokens per step: a number 0-32, or auto (default)")
     gen.add_argument("--max-iterations", type=int, default=None, help="end the request after this many steps")
+    gen.add_argument(
+        "--linear", action="store_true", help="n-gram/suffix drafts as one chain a step, not a token tree"
+    )
+    gen.add_argument(
+        "--response-format",
+        metavar="JSON",
+        help="structured output, as OpenAI's response_format: "
+        '{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
+        'or {"type": "grammar", "grammar": LARK_OR_GBNF}; @FILE reads it from a file',
+    )
     _add_sampling_flags(gen)
     _add_pipeline_commands(sub)
     bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
@@ -161,7 +171,7 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace, response_format: str | None = None):
     from pipeline.decoding.sampling import SamplingParams
 
     return SamplingParams(
@@ -177,6 +187,7 @@ def _sampling(args: argparse.Namespace):
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logit_bias=logit_bias(args.logit_bias),
+        response_format=response_format,
     )
 
 
@@ -190,6 +201,15 @@ def logit_bias(pairs: list[str]) -> dict[int, float]:
         except ValueError:  # no "=", or either side not a number
             raise ValueError(f"--logit-bias takes TOKEN=BIAS (an id and a number), got {pair!r}") from None
     return bias
+
+
+def response_format_arg(value: str | None) -> str | None:
+    """--response-format: JSON text, or @FILE holding it, as the canonical text SamplingParams carries."""
+    from pipeline.decoding.grammar.format import canonical_response_format
+
+    if value is not None and value.startswith("@"):
+        value = Path(value[1:]).read_text()
+    return canonical_response_format(value)
 
 
 def load_model(path: str | None, backend: str = "auto"):
@@ -219,7 +239,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pipeline.decoding.speculative import decode
     from pipeline.model.prompts import load_messages, prompt_tokens
 
-    params = _sampling(args)
+    params = _sampling(args, response_format_arg(args.response_format))
     speculation = speculation_args(args)
     messages = load_messages(args.messages) if args.messages else None
     model = load_model(args.model, args.backend)
@@ -239,6 +259,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         source,
         k=speculation.fixed_k,
         max_iterations=speculation.max_iterations,
+        tree=not args.linear,
         on_text=None if args.json else show,
     )
     if args.json:

@@ -36,10 +36,7 @@ from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.decoding.noise import SAMPLE, uniform
 from pipeline.decoding.sampling import SamplingParams, request_seed, sample_at
-from pipeline.decoding.session import Session
-from pipeline.decoding.speculation import Speculation
-from pipeline.decoding.speculative import GuardedDrafter, decode
-from pipeline.decoding.target import TargetState
+from pipeline.decoding.speculative import decode
 from pipeline.model import Model
 from pipeline.protocol.messages import (
     AuditEvent,
@@ -82,16 +79,11 @@ PROMPT = [40, 41, 42, 43] * 4  # the tiny target soon repeats itself after it: n
 
 
 def audited_run(
-    target: Model, params: SamplingParams, src, *, k: int | None = 3, request_id: str = "req"
+    target: Model, params: SamplingParams, src, *, k: int | None = 3, request_id: str = "req", prompt=PROMPT
 ) -> list[AuditEvent]:
     """The in-process loop (`speculative.decode`) with the events the orchestrator records."""
-    assert target.tokenizer is not None
     seed = request_seed(params.seed)
-    session = Session(
-        target.tokenizer, target.cfg.context_length, PROMPT, params, Speculation(k="auto" if k is None else k)
-    )
-    state = TargetState(target, params, seed, capacity=session.capacity())
-    drafter = GuardedDrafter(src.start(PROMPT, params, seed))
+    params = msgspec.structs.replace(params, seed=seed)
     now = time.time()
     settings = {
         "params": msgspec.to_builtins(params), "drafter": src.name, "k": k, "seed": seed,
@@ -99,45 +91,26 @@ def audited_run(
     }  # fmt: skip
     events: list[AuditEvent] = [
         RequestOpened(event_id=f"{request_id}:opened", request_id=request_id, time=now,
-                      settings=settings, prompt_tokens=PROMPT)
+                      settings=settings, prompt_tokens=prompt)
     ]  # fmt: skip
 
-    def step_event(step: int, drafter_name: str, k_: int, drafted, emitted, decisions, final_u) -> StepEvent:
-        return StepEvent(
+    def record(want: int, draft, verdict, draws: int) -> None:
+        step = len(events) - 1
+        events.append(StepEvent(
             event_id=f"{request_id}:step:{step}", request_id=request_id, time=now + step, step=step,
-            drafter=drafter_name, k=k_, drafted=drafted, emitted=emitted, decisions=decisions,
-            final_u=final_u, draws=state.draws, batch_size=1,
-        )  # fmt: skip
+            drafter=draft.drafter, k=want, drafted=draft.tokens, emitted=verdict.tokens,
+            decisions=verdict.decisions, final_u=verdict.final_u, draws=draws, batch_size=1,
+            parents=draft.parents,
+        ))  # fmt: skip
 
-    first, u = state.prefill(PROMPT)
-    assert first is not None
-    session.start(first)
-    events.append(step_event(0, "", 0, [], [first], [], u))
-    step = 0
-    while (want := session.plan()) is not None:
-        proposal = drafter.propose(session.context, want)
-        drafted = proposal.tokens[:want]
-        probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
-        logits = target.forward(state.cache, [session.context[-1], *drafted])
-        verdict = state.conclude(logits, drafted, probs, pending=session.context[-1])
-        session.record(len(drafted), verdict.tokens, verdict.accepted, 0.0, 0.0)
-        step += 1
-        events.append(
-            step_event(
-                step, proposal.drafter, want, drafted, verdict.tokens, verdict.decisions, verdict.final_u
-            )
-        )
-        drafter.accept(session.context)
-    session.finish_text()
-    done = session.result(wall=1.0, prefill_seconds=0.0, seed=seed, drafter=src.name)
-    stats = session.stats
+    done = decode(target, prompt, params, src, k=k, on_step=record)
+    stats = done.stats
     events.append(
         SpeculativeEvent(
-            event_id=f"{request_id}:summary", request_id=request_id, time=now + step + 1,
-            drafted=stats.drafted, accepted=stats.accepted,
-            acceptance_rate=stats.accepted / stats.drafted if stats.drafted else 0.0,
+            event_id=f"{request_id}:summary", request_id=request_id, time=now + len(events),
+            drafted=stats.drafted, accepted=stats.accepted, acceptance_rate=stats.acceptance_rate,
             iterations=stats.steps, content_length=len(done.text), finish_reason=done.finish_reason,
-            stats=msgspec.to_builtins(done.stats), tokens=done.tokens,
+            stats=msgspec.to_builtins(stats), tokens=done.tokens,
         )
     )  # fmt: skip
     return events
@@ -648,3 +621,34 @@ def test_cli_finds_the_store_through_the_config(tmp_path, capsys):
     code = cli.main(["audit", "list", "--set", f"audit.path={tmp_path}/nothing.sqlite"])
     assert code == 2 and "no audit database" in capsys.readouterr().err
     store.close()
+
+
+# --- token trees -------------------------------------------------------------------------
+
+
+def branching_events(models, params):
+    target, _, _ = models
+    prompt = np.random.default_rng(2).integers(40, 47, size=60).tolist()  # n-grams recur, branching
+    events = audited_run(target, params, NgramSource(1, 2), k=8, prompt=prompt)
+    trees = [s for s in steps_of(events) if s.parents is not None and len(set(s.parents)) < len(s.parents)]
+    return events, trees
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_tree_steps_verify_and_a_hidden_match_is_caught(models, params):
+    """Honest tree steps pass; a step that claims no child carried the target's token while one
+    did (the rejection the tree rule forbids) fails, as does a tree whose shape was altered."""
+    target, _, _ = models
+    events, trees = branching_events(models, params)
+    assert trees, "the n-gram drafter proposed no branching tree here"
+    assert verify_request("req", events, target, None).verdict == "pass"
+    step = trees[0]
+    root_children = [i for i, p in enumerate(step.parents) if p == -1]
+    lying = step.emitted[0]
+    forged = [*step.drafted]
+    forged[root_children[-1]] = lying if lying not in [step.drafted[c] for c in root_children] else forged[0]
+    tampered = replace_step(events, step.step, drafted=forged)
+    report = verify_request("req", tampered, target, None)
+    assert report.verdict == "fail"
+    broken = replace_step(events, step.step, parents=[0, *step.parents[1:]])
+    assert_fails_at(verify_request("req", broken, target, None), step.step, "parent")

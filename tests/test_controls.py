@@ -21,14 +21,15 @@ from hypothesis import strategies as st
 
 from pipeline import cli
 from pipeline.audit.verify import verify_request
-from pipeline.decoding.controls import chain_paths, shaped_logits, shaped_probs, vocabulary_problem
-from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.controls import chain_paths, row_paths, shaped_logits, shaped_probs, vocabulary_problem
+from pipeline.decoding.drafters import NoDraftSource, Proposal
 from pipeline.decoding.drafters.model import ModelSource
 from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
 from pipeline.decoding.speculative import decode
+from pipeline.decoding.target import TargetState
 from pipeline.model import load_model
 from pipeline.protocol.messages import DraftRequest, ErrorReply, Open, StepFailed, Submit
 
@@ -167,6 +168,13 @@ def test_a_greedy_choice_follows_the_shaped_logits():
 def test_chain_paths_are_the_drafts_before_each_row():
     assert chain_paths([7, 8, 9]) == [[], [7], [7, 8], [7, 8, 9]]
     assert chain_paths([]) == [[]]
+    assert row_paths([7, 8, 9], None) == chain_paths([7, 8, 9]) == row_paths([7, 8, 9], [-1, 0, 1])
+
+
+def test_a_tree_row_has_seen_the_path_from_the_root_to_its_node():
+    """[pending, a, b, c, d] with a and c under pending, b under a, d under b: row 4 (node d) has
+    seen a, b, d and not c."""
+    assert row_paths([10, 11, 12, 13], [-1, 0, -1, 1]) == [[], [10], [10, 11], [12], [10, 11, 13]]
 
 
 @pytest.mark.parametrize(
@@ -271,14 +279,18 @@ def repetitive_prompt(seed: int, length: int) -> list[int]:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     chosen=controls, seed=st.integers(0, 10_000), length=st.integers(2, 40),
-    k=st.sampled_from([None, 1, 3, 8]),
+    k=st.sampled_from([None, 1, 3, 8]), tree=st.booleans(),
     drafter=st.sampled_from(["ngram", "suffix", "auto", "model", "self-model"]),
 )  # fmt: skip
-def test_greedy_output_with_controls_is_plain_greedy_decoding_s(models, chosen, seed, length, k, drafter):
+def test_greedy_output_with_controls_is_plain_greedy_decoding_s(
+    models, chosen, seed, length, k, tree, drafter
+):
+    """Chains and token trees (the n-gram drafters' candidates merged; row i conditions on its own
+    root-to-node path)."""
     target, draft = models
     prompt, params = repetitive_prompt(seed, length), SamplingParams(**chosen, max_tokens=24, ignore_eos=True)
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
-    spec = decode(target, prompt, params, sources(target, draft)[drafter], k=k)
+    spec = decode(target, prompt, params, sources(target, draft)[drafter], k=k, tree=tree)
     assert spec.tokens == plain.tokens
 
 
@@ -286,11 +298,11 @@ def test_greedy_output_with_controls_is_plain_greedy_decoding_s(models, chosen, 
 @given(
     chosen=controls, seed=st.integers(0, 2**64 - 1), length=st.integers(2, 40),
     k=st.sampled_from([None, 1, 3, 8]), temperature=st.sampled_from([0.5, 1.0, 1.6]),
-    top_k=st.sampled_from([0, 20]), top_p=st.sampled_from([1.0, 0.8]),
+    top_k=st.sampled_from([0, 20]), top_p=st.sampled_from([1.0, 0.8]), tree=st.booleans(),
     drafter=st.sampled_from(["ngram", "suffix", "auto"]),
 )  # fmt: skip
 def test_seeded_output_with_controls_is_plain_seeded_decoding_s(
-    models, chosen, seed, length, k, temperature, top_k, top_p, drafter
+    models, chosen, seed, length, k, temperature, top_k, top_p, tree, drafter
 ):
     target, _ = models
     params = SamplingParams(
@@ -299,7 +311,7 @@ def test_seeded_output_with_controls_is_plain_seeded_decoding_s(
     prompt = repetitive_prompt(seed % 10_000, length)
     source = {"ngram": NgramSource(), "suffix": SuffixSource(), "auto": make_draft_source("auto", target)}
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
-    assert decode(target, prompt, params, source[drafter], k=k).tokens == plain.tokens
+    assert decode(target, prompt, params, source[drafter], k=k, tree=tree).tokens == plain.tokens
 
 
 def oracle(model, prompt: list[int], params: SamplingParams, seed: int, n: int) -> list[int]:
@@ -414,3 +426,49 @@ def test_audit_verify_recomputes_the_controls(models, drafter):
     plain = msgspec.to_builtins(msgspec.structs.replace(params, presence_penalty=0.0, frequency_penalty=0.0))
     opened = msgspec.structs.replace(events[0], settings={**events[0].settings, "params": plain})
     assert verify_request("req", [opened, *events[1:]], target, draft).verdict == "fail"
+
+
+# --- token trees: each row conditions on its own root-to-node path ----------------------
+
+
+tree_controls = st.fixed_dictionaries({
+    "presence_penalty": st.sampled_from([0.0, 0.7, -0.7, 2.0]),
+    "frequency_penalty": st.sampled_from([0.0, 0.5, -1.0]),
+    "repetition_penalty": st.sampled_from([1.0, 1.5, 0.7]),
+    "logit_bias": st.dictionaries(st.integers(3, 11), st.sampled_from([-100.0, -2.0, 2.0]), max_size=2),
+})  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    chosen=tree_controls, seed=st.integers(0, 2**64 - 1), temperature=st.sampled_from([0.0, 0.8]),
+    depth=st.integers(1, 6), distractors=st.lists(st.integers(3, 266), min_size=6, max_size=6),
+)  # fmt: skip
+def test_a_tree_block_decides_each_node_on_its_own_path(
+    models, chosen, seed, temperature, depth, distractors
+):
+    """A tree holding plain decoding's continuation with a sibling before every node of it: the
+    verifier keeps the whole path, so each row saw its own root-to-node tokens, never the siblings
+    that precede it in the block; and the step after it sees the kept path."""
+    target, _ = models
+    prompt = repetitive_prompt(seed % 10_000, 12)
+    params = SamplingParams(
+        **chosen, temperature=temperature, seed=seed, max_tokens=depth + 3, ignore_eos=True
+    )
+    plain = decode(target, prompt, params, NoDraftSource(), k=0).tokens
+    state = TargetState(target, params, seed, capacity=64)
+    assert state.prefill(prompt)[0] == plain[0]
+    tokens: list[int] = []
+    parents: list[int] = []
+    above = -1
+    for d in range(depth):
+        if distractors[d] != plain[d + 1]:
+            tokens.append(distractors[d])
+            parents.append(above)
+        tokens.append(plain[d + 1])
+        parents.append(above)
+        above = len(tokens) - 1
+    verdict = state.step(plain[0], Proposal(tokens, parents=parents))
+    assert verdict.tokens == plain[1 : depth + 2]
+    # The kept path, not the block's first nodes, is what the next step's rows have seen.
+    assert state.step(verdict.tokens[-1], Proposal([])).tokens == [plain[depth + 2]]

@@ -24,6 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.audit.store import AuditStore
+from pipeline.audit.verify import verify_request
+from pipeline.bench.common import WORKLOADS
 from pipeline.decoding.drafters.registry import DRAFTERS, make_draft_source
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
@@ -42,6 +45,7 @@ from pipeline.protocol.messages import (
     Open,
     SpeculativeState,
     StatusQuery,
+    StepEvent,
     Submit,
     Verify,
     encode,
@@ -79,10 +83,15 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory):
 
 
 @cache
-def _reference(prompt: str, params: SamplingParams, drafter: str, k: int | None):
+def _served_model():
     from pipeline.model import load_model
 
-    model = load_model(default_model_path())  # the backend the pipeline serves with (auto)
+    return load_model(default_model_path())  # the backend the pipeline serves with (auto)
+
+
+@cache
+def _reference(prompt: str, params: SamplingParams, drafter: str, k: int | None):
+    model = _served_model()
     assert model.tokenizer is not None
     tokens = prompt_tokens(model.tokenizer, prompt, chat=True)
     source = make_draft_source(drafter, model, model if drafter == "model" else None)
@@ -112,6 +121,29 @@ def test_greedy_output_equals_in_process_generation(pipeline: Pipeline, drafter:
     assert done.text == ref.text
     assert done.finish_reason == ref.finish_reason
     assert done.request_id and done.stats.drafter == drafter
+
+
+# Not seeded `auto`: this pipeline's auto falls back to the model drafter, not seed-exact.
+@pytest.mark.parametrize(("temperature", "drafter"), [(0.0, "auto"), (0.7, "suffix")])
+def test_token_trees_are_verified_through_the_lanes_and_audited(
+    pipeline: Pipeline, temperature: float, drafter: str
+) -> None:
+    """The code-edit workload, whose n-grams recur with several continuations: the draft lane
+    proposes trees (8 nodes a step), the verify lane verifies them in its batched forwards, the
+    output is plain decoding's (seed for seed), and the audit trail's tree steps verify."""
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=64)
+    with pipeline.client() as client:
+        done = client.complete(WORKLOADS["code"], chat=True, params=params, drafter=drafter, k=8)
+    assert done.tokens == _reference(WORKLOADS["code"], params, "none", 0).tokens
+    pipeline.summary(done.request_id)
+    store = AuditStore(pipeline.config.audit.path, readonly=True)
+    try:
+        events = store.events(done.request_id)
+    finally:
+        store.close()
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert any(s.parents is not None and len(set(s.parents)) < len(s.parents) for s in steps)
+    assert verify_request(done.request_id, events, _served_model(), None).verdict == "pass"
 
 
 # Each position is sampled with its own number (seed, position): the deterministic drafters give

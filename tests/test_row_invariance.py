@@ -171,8 +171,9 @@ def flat_models(request, tmp_path_factory):
     k=st.sampled_from([None, 1, 3, 8, 16]),
     length=st.integers(2, 40),
     drafter=st.sampled_from(["ngram", "suffix", "model", "self-model", "auto"]),
+    tree=st.booleans(),
 )
-def test_greedy_speculation_is_identical_on_near_ties(flat_models, seed, k, length, drafter):
+def test_greedy_speculation_is_identical_on_near_ties(flat_models, seed, k, length, drafter, tree):
     target, draft = flat_models
     base = np.random.default_rng(seed).integers(3, 267, size=max(2, length // 3)).tolist()
     prompt = (base * 4)[:length]
@@ -182,7 +183,7 @@ def test_greedy_speculation_is_identical_on_near_ties(flat_models, seed, k, leng
         "self-model": ModelSource(target, target), "auto": make_draft_source("auto", target, draft),
     }[drafter]  # fmt: skip
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
-    spec = decode(target, prompt, params, source, k=k)
+    spec = decode(target, prompt, params, source, k=k, tree=tree)
     assert spec.tokens == plain.tokens
 
 
@@ -196,9 +197,10 @@ def test_greedy_speculation_is_identical_on_near_ties(flat_models, seed, k, leng
     length=st.integers(2, 40),
     drafter=st.sampled_from(["ngram", "suffix", "auto"]),
     earlier=st.integers(0, 2),
+    tree=st.booleans(),
 )
 def test_seeded_speculation_equals_plain_seeded_decoding(
-    flat_models, seed, temperature, top_k, top_p, k, length, drafter, earlier
+    flat_models, seed, temperature, top_k, top_p, k, length, drafter, earlier, tree
 ):
     """Every deterministic drafter, any k, after earlier requests that filled the suffix cache
     (which changes what is drafted): the tokens are exactly plain seeded decoding's, because each
@@ -217,7 +219,7 @@ def test_seeded_speculation_equals_plain_seeded_decoding(
         other = rng.integers(3, 267, size=8).tolist() * 3
         decode(target, other, msgspec.structs.replace(params, seed=int(rng.integers(2**32))), source, k=4)
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
-    spec = decode(target, prompt, params, source, k=k)
+    spec = decode(target, prompt, params, source, k=k, tree=tree)
     assert spec.tokens == plain.tokens
 
 

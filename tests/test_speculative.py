@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import msgspec
 import numpy as np
 import pytest
@@ -11,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipeline.decoding.acceptance as acceptance
-from pipeline.decoding.adaptive import KController
 from pipeline.decoding.drafters import NoDraftSource
 from pipeline.decoding.drafters.model import ModelSource
 from pipeline.decoding.drafters.ngram import NgramSource, lookup
@@ -150,9 +147,9 @@ class ExplodingDrafter:
             if self.calls > self.after:
                 raise RuntimeError("drafter bug")
 
-    def propose(self, context, k):
+    def propose(self, context, k, tree=False):
         self._maybe_explode("propose")
-        return self.inner.propose(context, k)
+        return self.inner.propose(context, k, tree)
 
     def accept(self, context):
         self._maybe_explode("accept")
@@ -232,26 +229,6 @@ def test_suffix_drafter_learns_from_a_previous_request(models):
     second = decode(target, [70, 71, 72], params, source, k=None)
     assert second.tokens == first.tokens
     assert second.stats.accepted > first.stats.accepted
-
-
-def test_controller_turns_speculation_off_and_probes_back():
-    controller = KController()
-    for _ in range(30):
-        controller.observe(drafted=4, accepted=0)
-    choices = [controller.choose() for _ in range(40)]
-    assert choices.count(0) >= 35 and any(choices)  # mostly plain, with probes
-    for _ in range(30):
-        controller.observe(drafted=8, accepted=8)
-    assert controller.choose() >= 8
-
-
-def test_controller_uses_measured_costs():
-    cheap, dear = KController(acceptance=0.5), KController(acceptance=0.5)
-    for rows, seconds in itertools.product(range(1, 17), [0.01]):
-        cheap.costs.observe_verify(rows, seconds * (1 + 0.01 * rows))
-        dear.costs.observe_verify(rows, seconds * rows)  # verify cost grows with every row
-    assert cheap.best_k() > 0
-    assert dear.best_k() == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 33])

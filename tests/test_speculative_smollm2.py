@@ -50,3 +50,15 @@ def test_workloads_match_plain_decoding(target, workload, drafter, k):
     assert out.tokens == plain.tokens and out.text == plain.text
     if drafter == "model":  # the target drafting for itself: every greedy draft is kept
         assert out.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("workload", ["quote", "code"])
+def test_seeded_speculation_equals_plain_seeded_decoding_on_the_default_model(served_model, workload):
+    """Token trees and chains, with the default model's own rows: seed for seed, plain decoding's."""
+    prompt = chat_prompt(served_model, WORKLOADS[workload])
+    params = SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=20261123)
+    plain = decode(served_model, prompt, params, NoDraftSource(), k=0)
+    for drafter, tree in (("auto", True), ("auto", False), ("ngram", True)):
+        out = decode(served_model, prompt, params, make_draft_source(drafter, served_model), tree=tree)
+        assert out.tokens == plain.tokens, (drafter, tree)
+        assert out.stats.accepted > 0  # the drafts were used, not skipped

@@ -50,6 +50,7 @@ from pipeline.decoding.controls import chain_paths, shaped_logits, uses_context
 from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.sampling import SamplingParams, target_probs
+from pipeline.decoding.tree import check
 from pipeline.model import Runtime
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.protocol.messages import AuditEvent, RequestOpened, SpeculativeEvent, StepEvent
@@ -219,8 +220,49 @@ def uses_draft_rows(step: StepEvent, params: SamplingParams) -> bool:
     return step.drafter == "model" and not params.greedy and bool(step.drafted)
 
 
+def tree_structure_problems(step: StepEvent) -> list[str]:
+    """A token tree's step: a well-formed tree; decision i keeps a child of the node kept at depth
+    i - 1 (the root first) or, last, rejects that node's first child for a token none of its
+    children carries; a kept leaf ends the decisions; emitted is the kept path plus one token."""
+    parents, drafted = step.parents or [], step.drafted
+    if (problem := check(drafted, parents)) is not None:
+        return [problem]
+    if len(drafted) > step.k:
+        return [f"{len(drafted)} draft nodes for k={step.k}"]
+    problems, node = [], -1
+    for i, d in enumerate(step.decisions):
+        below = [c for c, parent in enumerate(parents) if parent == node]
+        carrying = next(
+            (c for c in below if drafted[c] == (d.draft_token if d.kept else d.replacement)), None
+        )
+        if not below:
+            return [*problems, f"decision {i} is below a leaf"]
+        if d.position != i or (not d.kept and d.draft_token != drafted[below[0]]):
+            problems.append(f"decision {i} is for position {d.position}, token {d.draft_token}")
+        if d.kept and carrying is None:
+            return [*problems, f"decision {i} keeps {d.draft_token}, which no child of the kept path carries"]
+        if not d.kept and (carrying is not None or i != len(step.decisions) - 1):
+            problems.append(
+                f"decision {i} rejects, yet a child carries {d.replacement} or later ones were decided"
+            )
+        node = carrying if d.kept else node
+    accepted = sum(d.kept for d in step.decisions)
+    kept = [d.draft_token for d in step.decisions if d.kept]
+    if (not step.decisions or step.decisions[-1].kept) and any(parent == node for parent in parents):
+        problems.append("the kept path ends on a node with children, yet nothing rejected them")
+    if len(step.emitted) != accepted + 1 or step.emitted[:accepted] != kept:
+        problems.append(f"emitted {step.emitted} is not the {accepted} kept nodes plus one token")
+    elif (
+        step.decisions and not step.decisions[-1].kept and step.decisions[-1].replacement != step.emitted[-1]
+    ):
+        problems.append(f"replacement {step.decisions[-1].replacement} is not the emitted {step.emitted[-1]}")
+    return problems
+
+
 def structure_problems(step: StepEvent) -> list[str]:
     """Decisions cover a prefix of the drafts, all kept but possibly the last; emitted follows."""
+    if step.parents is not None:
+        return tree_structure_problems(step)
     problems: list[str] = []
     drafted, decisions = step.drafted, step.decisions
     if len(drafted) > step.k:

@@ -23,6 +23,12 @@ from pipeline.protocol.config import Config
 from pipeline.service.launch import launch, stop
 
 
+def load_note() -> str:
+    """The machine's load when a benchmark starts (1, 5 and 15 minute load averages): figures
+    from a busy machine are not comparable with a quiet one's."""
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def progress(bench: str, text: str) -> None:
     """Progress goes to stderr, so `--json` output stays one object."""
     print(f"bench {bench}: {text}", file=sys.stderr, flush=True)

@@ -5,10 +5,15 @@ shared machine hits all of them alike; figures are medians. Each run gets a fres
 draft source, so the cross-request cache starts empty: speed-ups here come from within
 a request, and the check column says whether every output equals plain decoding's.
 
-With `--temperature T --seed S` the runs sample: every deterministic drafter (and `auto` without
-a draft model) must then give exactly plain seeded decoding's tokens (position-keyed numbers,
-`decoding/noise.py`); the model drafter follows the distribution but is not expected to match.
-The header names the runtime, its kernel path and the CPU, as every benchmark's does.
+A drafter name with "/linear" (`ngram/linear`) drafts one chain a step instead of a token tree,
+so trees and linear drafts are compared in the same run; `nodes` is the draft nodes verified
+per step, `mean len` the tokens emitted per step.
+
+Two sections: greedy, then seeded sampling (`--temperature T --seed S`; `--temperature 0` leaves
+it out). In the sampled one every deterministic drafter (and `auto` without a draft model) must
+give exactly plain seeded decoding's tokens (position-keyed numbers, `decoding/noise.py`); the
+model drafter follows the distribution but is not expected to match. The exit status is 1 if
+any expected identity fails. The header names the runtime, its kernel path and the CPU.
 """
 
 from __future__ import annotations
@@ -17,19 +22,27 @@ import argparse
 import json
 import statistics
 
-from pipeline.bench.common import WORKLOADS, result_decode_rate
+from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate
 from pipeline.bench.flags import add_backend_flag
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
 from pipeline.model import backend_key, default_model_path, load_model
+from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
 
 
 def identity_expected(name: str, params: SamplingParams, draft_model: Model | None) -> bool:
     """Whether `name`'s output must equal plain decoding's token for token."""
+    name = name.removesuffix("/linear")
     return params.greedy or name in ("none", "ngram", "suffix") or (name == "auto" and draft_model is None)
+
+
+def run_one(model: Model, prompt: list[int], params: SamplingParams, name: str, draft_model: Model | None):
+    drafter, linear = name.removesuffix("/linear"), name.endswith("/linear")
+    source = make_draft_source(drafter, model, draft_model or model if drafter == "model" else draft_model)
+    return decode(model, prompt, params, source, k=0 if drafter == "none" else None, tree=not linear)
 
 
 def run(
@@ -42,10 +55,7 @@ def run(
         runs: dict[str, list] = {d: [] for d in drafters}
         for _ in range(repeats):
             for name in drafters:
-                source = make_draft_source(
-                    name, model, draft_model or model if name == "model" else draft_model
-                )
-                runs[name].append(decode(model, prompt, params, source, k=0 if name == "none" else None))
+                runs[name].append(run_one(model, prompt, params, name, draft_model))
         reference = runs["none"][0].tokens
         base = statistics.median(r.stats.tokens_per_second for r in runs["none"])
         base_decode = statistics.median(result_decode_rate(r) for r in runs["none"])
@@ -60,6 +70,8 @@ def run(
                 "decode_speedup": statistics.median(result_decode_rate(r) for r in completions) / base_decode,
                 "acceptance_rate": last.acceptance_rate,
                 "mean_accepted_length": last.mean_accepted_length,
+                "nodes_per_step": last.nodes_per_step,
+                "per_depth_acceptance": last.per_position_acceptance,
                 "identical_to_none": all(r.tokens == reference for r in completions),
                 "identity_expected": identity_expected(name, params, draft_model),
             }
@@ -68,15 +80,15 @@ def run(
 
 def render(results: dict) -> str:
     lines = [
-        f"{'workload':<8} {'drafter':<8} {'tokens':>6} {'tok/s':>7} {'speed-up':>8} {'accept':>7} "
-        f"{'mean len':>8} {'decode':>7}  same as none",
+        f"{'workload':<8} {'drafter':<13} {'tokens':>6} {'tok/s':>7} {'speed-up':>8} {'accept':>7} "
+        f"{'mean len':>8} {'nodes':>6} {'decode':>7}  same as none",
     ]
     for workload, data in results.items():
         for name, r in data["drafters"].items():
             lines.append(
-                f"{workload:<8} {name:<8} {r['tokens']:>6} {r['tokens_per_second']:>7.1f} "
-                f"{r['speedup']:>7.2f}x "
-                f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} {r['decode_speedup']:>6.2f}x"
+                f"{workload:<8} {name:<13} {r['tokens']:>6} {r['tokens_per_second']:>7.1f} "
+                f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
+                f"{r['nodes_per_step']:>6.2f} {r['decode_speedup']:>6.2f}x"
                 f"  {r['identical_to_none'] if r['identity_expected'] else 'n/a (sampled drafts)'}"
             )
     return "\n".join(lines)
@@ -88,27 +100,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", metavar="PATH")
     add_backend_flag(parser)
     parser.add_argument("--draft-model", metavar="PATH", help="for the model drafter (default: the target)")
-    parser.add_argument("--drafters", default="none,ngram,suffix,auto,model")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    parser.add_argument("--seed", type=int, default=1234, help="for sampled runs (default 1234)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--drafters",
+        default="none,ngram,ngram/linear,suffix,suffix/linear,auto,auto/linear,model",
+        help="comma-separated; NAME/linear drafts one chain a step instead of a tree",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per drafter and workload (medians)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per run")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="the seeded section's temperature (0: leave it out)"
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="the seeded section's seed (default 1234)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def main(args: argparse.Namespace) -> int:
     model = load_model(args.model or default_model_path(), args.backend)
     draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    results = run(model, args.drafters.split(","), draft_model, args.repeats, params)
+    sections = {"greedy": SamplingParams(max_tokens=args.max_tokens)}
+    if args.temperature > 0:
+        sections["seeded"] = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+    curve = row_seconds(model)  # calibrated before any timed run, as a lane does at start
     header = {
         "runtime": backend_key(model), "kernel_path": model.describe(), "cpu": cpu_name(),
-        "cpu_flags": kernel_flags(), "temperature": params.temperature, "seed": params.seed,
+        "cpu_flags": kernel_flags(), "load": load_note(),
+        "t(rows)/t(1)": ",".join(f"{r}:{curve[r - 1] / curve[0]:.2f}" for r in (2, 4, 8, 16, 33)),
     }  # fmt: skip
+    results = {name: run(model, args.drafters.split(","), draft_model, args.repeats, params)
+               for name, params in sections.items()}  # fmt: skip
     if args.json:
-        print(json.dumps({"machine": header, "workloads": results}, indent=2))
+        print(json.dumps({"machine": header, "sections": results}, indent=2))
     else:
         print(" ".join(f"{key}={value}" for key, value in header.items()))
-        print(render(results))
-    rows = [r for w in results.values() for r in w["drafters"].values() if r["identity_expected"]]
+        for name, params in sections.items():
+            print(f"\n{name}: temperature={params.temperature} seed={params.seed}")
+            print(render(results[name]))
+    rows = [
+        r
+        for s in results.values()
+        for w in s.values()
+        for r in w["drafters"].values()
+        if r["identity_expected"]
+    ]
     return 0 if all(r["identical_to_none"] for r in rows) else 1

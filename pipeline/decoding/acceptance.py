@@ -44,6 +44,7 @@ class Verdict(msgspec.Struct, frozen=True):
     accepted: int
     decisions: list[Decision]
     final_u: float | None  # the draw that chose the correction/bonus token, if one was needed
+    path: list[int] = []  # the kept draft nodes (a tree's node indices; 0..accepted-1 for a chain)
 
 
 def residual(q: np.ndarray, p: np.ndarray | None, token: int) -> np.ndarray:
@@ -80,7 +81,7 @@ def verify(
             sampled, u = sample_at(q_row, seed, position, SAMPLE)
             if sampled != x:
                 decisions.append(Decision(i, x, 1.0, q_x, u, False, sampled))
-                return Verdict([*draft_tokens[:i], sampled], i, decisions, u)
+                return Verdict([*draft_tokens[:i], sampled], i, decisions, u, list(range(i)))
             decisions.append(Decision(i, x, 1.0, q_x, u, True, None))
             continue
         p_x, u = float(draft_probs[i][x]), None
@@ -94,7 +95,43 @@ def verify(
         if not kept:
             replacement, final_u = sample_at(residual(q_row, draft_probs[i], x), seed, position, RESIDUAL)
             decisions.append(Decision(i, x, p_x, q_x, u, False, replacement))
-            return Verdict([*draft_tokens[:i], replacement], i, decisions, final_u)
+            return Verdict([*draft_tokens[:i], replacement], i, decisions, final_u, list(range(i)))
         decisions.append(Decision(i, x, p_x, q_x, u, True, None))
     bonus, final_u = sample_at(target_probs[k], seed, start + k, SAMPLE)
-    return Verdict([*draft_tokens, bonus], k, decisions, final_u)
+    return Verdict([*draft_tokens, bonus], k, decisions, final_u, list(range(k)))
+
+
+def verify_tree(
+    tokens: list[int], parents: list[int], target_probs: np.ndarray, seed: int, start: int
+) -> Verdict:
+    """The deterministic rule on a token tree: from the root, sample the target's own token at
+    each position (number SAMPLE, keyed by the position); while a child of the current node
+    carries it, move there; the first sample no child carries is the correction, or the bonus
+    below a leaf. Row 0 of `target_probs` is the pending token's and decides position `start`;
+    row i + 1 is node i's. Every emitted token is the target's own seeded sample at its position
+    (greedy: its argmax), so the output is plain decoding's whatever the tree held.
+
+    Decisions: one per level reached that had children, for the child kept, or for the first
+    child when none was (its `replacement` is the token emitted instead)."""
+    if target_probs.shape[0] != len(tokens) + 1:
+        raise ValueError(f"need {len(tokens) + 1} target rows for {len(tokens)} draft nodes")
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    decisions: list[Decision] = []
+    kept: list[int] = []
+    node = -1
+    while True:
+        depth = len(kept)
+        q_row = target_probs[node + 1]
+        sampled, u = sample_at(q_row, seed, start + depth, SAMPLE)
+        below = children.get(node, [])
+        match = next((c for c in below if tokens[c] == sampled), None)
+        if match is None:
+            if below:
+                first = tokens[below[0]]
+                decisions.append(Decision(depth, first, 1.0, float(q_row[first]), u, False, sampled))
+            return Verdict([*(tokens[n] for n in kept), sampled], depth, decisions, u, kept)
+        decisions.append(Decision(depth, sampled, 1.0, float(q_row[sampled]), u, True, None))
+        kept.append(match)
+        node = match

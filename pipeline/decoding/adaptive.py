@@ -1,94 +1,197 @@
-"""Choosing k, the number of draft tokens to verify, from measured costs and acceptance.
+"""How much to speculate each step: a cost model over the runtime's t(rows) curve.
 
-With per-token acceptance probability a, a step that verifies k drafts emits on average
-E(k) = 1 + a + ... + a^k tokens and costs verify(k + 1) + k * draft, both measured in
-units of a one-token step. The controller picks the k with the best expected tokens
-per unit of time; k = 0 is plain decoding, chosen when no k pays. While at k = 0 it
-probes now and then (with exponential back-off) so it notices when drafts start paying.
-Costs and acceptance are EWMAs of what the request actually measured, starting from
-priors: the runtime's verify cost is flat from 2 to 8 rows (`kernels.ROW_BUCKETS`).
+A step verifies a draft tree of R nodes in one forward of R + 1 rows. If node i is kept with
+probability p_i, the step emits 1 + sum(p_i) tokens on average and costs t(R + 1) plus the
+step's fixed overhead (drafting, messages), so the controller keeps the R best nodes that
+maximise (1 + sum p) / (t(R + 1) / t(1) + overhead). R = 0 is plain decoding. Because the cut
+comes after the proposal, free drafters (n-gram, suffix) may propose generously and only what
+pays is verified; the model drafter, whose drafts cost a forward each, is asked for the chain
+length that pays (`budget`).
+
+- t(rows) comes from the runtime's own start-up calibration (`model.calibration`), kept
+  current with what steps measure.
+- p_i = p(parent) * min(1, alpha_d * share_i): share_i is the drafter's own estimate (its
+  candidates' vote at that branch), alpha_d a per-depth calibration of those estimates learnt
+  from what the target kept, so a drafter that is over-confident at depth 5 is discounted there.
+- Neighbours: in a batched verify lane other requests' rows share the forward, so a request
+  with neighbours may only add rows while the forward stays within `NEIGHBOUR_SLOWDOWN` of the
+  time it takes without any speculation (`RowCosts.row_budget`): its speculation must not make
+  their steps slower.
+While nothing pays it probes now and then (exponential back-off) so a change is noticed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 K_LIMIT = 32
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    return float(sum(acceptance**i for i in range(k + 1)))
+NEIGHBOUR_SLOWDOWN = 0.05
 
 
 def prior_verify_ratio(rows: int) -> float:
-    """Cost of a `rows`-token forward over a one-token forward before anything is measured."""
-    return 1.0 if rows <= 1 else 2.0 if rows <= 8 else 2.0 + 0.09 * (rows - 8)
+    """t(rows) / t(1) before anything is known about the runtime."""
+    return 1.0 if rows <= 1 else 1.3 if rows <= 8 else 1.3 + 0.09 * (rows - 8)
 
 
 @dataclass
-class CostModel:
+class RowCosts:
+    """t(rows) in seconds, from calibration and then from what steps measured (EWMA)."""
+
     smoothing: float = 0.2
-    verify_seconds: dict[int, float] = field(default_factory=dict)
-    draft_seconds_per_token: float = 0.0
+    seconds: dict[int, float] = field(default_factory=dict)
+    calibrated: bool = False
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        old = self.verify_seconds.get(rows)
-        self.verify_seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+    def calibrate(self, seconds_by_rows: Sequence[float]) -> None:
+        """`seconds_by_rows[r - 1]` is the calibrated t(r) (0 where not measured). A calibrated
+        curve is kept as it is: a step's measured time also holds the lanes' messaging and, in a
+        batched lane, other requests' rows, which would bend the curve."""
+        measured = {rows: float(s) for rows, s in enumerate(seconds_by_rows, start=1) if s > 0}
+        if 1 in measured:
+            self.seconds, self.calibrated = measured, True
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
-        if tokens:
-            per_token = seconds / tokens
-            self.draft_seconds_per_token += self.smoothing * (per_token - self.draft_seconds_per_token)
+    def observe(self, rows: int, seconds: float) -> None:
+        if self.calibrated:
+            return
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
 
-    def step_cost(self, k: int) -> float:
-        """Cost of a step with k drafts, in one-token-forward units."""
-        one = self.verify_seconds.get(1)
-        rows = k + 1
-        if one and rows in self.verify_seconds:
-            verify = self.verify_seconds[rows] / one
-        else:
-            verify = prior_verify_ratio(rows)
-        draft = self.draft_seconds_per_token / one if one else 0.0
-        return verify + k * draft
+    def ratio(self, rows: int) -> float:
+        """t(rows) / t(1), interpolated between measured row counts, extrapolated past the last."""
+        one = self.seconds.get(1)
+        if not one or len(self.seconds) < 2:
+            return prior_verify_ratio(rows)
+        known = sorted(self.seconds)
+        if rows in self.seconds:
+            return self.seconds[rows] / one
+        if rows > known[-1]:  # grow with the last measured slope, never below flat
+            a, b = known[-2], known[-1]
+            slope = max(0.0, (self.seconds[b] - self.seconds[a]) / (b - a))
+            return (self.seconds[b] + slope * (rows - b)) / one
+        return float(np.interp(rows, known, [self.seconds[r] for r in known])) / one
+
+    def row_budget(self, base_rows: int, limit: int) -> int:
+        """The most rows (up to `limit`) a forward may carry while it costs at most
+        1 + NEIGHBOUR_SLOWDOWN times a forward of `base_rows`."""
+        ceiling = self.ratio(base_rows) * (1 + NEIGHBOUR_SLOWDOWN)
+        rows = base_rows
+        while rows < limit and self.ratio(rows + 1) <= ceiling:
+            rows += 1
+        return rows
 
 
 @dataclass
-class KController:
-    """Fixed k when `fixed` is set; otherwise the cost-model choice described above. Its inputs
-    come from a `Speculation`, which holds them to 0..K_LIMIT (k) and 1..K_LIMIT (k_max)."""
+class DepthAcceptance:
+    """alpha_d: at depth d, how often the target kept one of the offered children, over the sum
+    of their shares (decayed, so it follows the request). Starts from `prior`."""
+
+    prior: float = 0.6
+    weight: float = 1.0
+    decay: float = 0.95
+    kept: np.ndarray = field(default_factory=lambda: np.zeros(K_LIMIT + 1))
+    offered: np.ndarray = field(default_factory=lambda: np.zeros(K_LIMIT + 1))
+
+    def alpha(self, depth: int) -> float:
+        d = min(depth, K_LIMIT)
+        return float((self.kept[d] + self.prior * self.weight) / (self.offered[d] + self.weight))
+
+    def observe(self, offered: Sequence[float], accepted: int) -> None:
+        """`offered[d - 1]`: the shares offered at depth d below the node kept at depth d - 1;
+        the target kept depths 1..accepted."""
+        for depth, shares in enumerate(offered[:K_LIMIT], start=1):
+            self.kept[depth] = self.kept[depth] * self.decay + (depth <= accepted)
+            self.offered[depth] = self.offered[depth] * self.decay + shares
+
+
+def node_probabilities(
+    parents: Sequence[int], shares: Sequence[float], acceptance: DepthAcceptance
+) -> list[float]:
+    """p_i for each node (parents come before children), see the module docstring."""
+    probs: list[float] = []
+    depth: list[int] = []
+    for parent, share in zip(parents, shares, strict=True):
+        d = 1 if parent < 0 else depth[parent] + 1
+        above = 1.0 if parent < 0 else probs[parent]
+        depth.append(d)
+        probs.append(above * min(1.0, acceptance.alpha(d) * share))
+    return probs
+
+
+@dataclass
+class Controller:
+    """Fixed node count when `fixed` is set; otherwise the cost model of the module docstring.
+    Its limits come from a `Speculation` (0..K_LIMIT, 1..K_LIMIT)."""
 
     fixed: int | None = None
     k_max: int = 16
-    acceptance: float = 0.6  # prior per-token acceptance
-    smoothing: float = 0.25
-    costs: CostModel = field(default_factory=CostModel)
+    costs: RowCosts = field(default_factory=RowCosts)
+    acceptance: DepthAcceptance = field(default_factory=DepthAcceptance)
+    overhead: float = 0.05  # per-step seconds outside the forward, over t(1) (EWMA)
+    draft_per_token: float = 0.0  # a sampling drafter's seconds per draft token, over t(1) (EWMA)
+    smoothing: float = 0.2
     _plain_steps: int = 0
     _probe_after: int = 4
 
-    def best_k(self) -> int:
-        rates = [expected_tokens(self.acceptance, k) / self.costs.step_cost(k) for k in range(self.k_max + 1)]
-        return max(range(len(rates)), key=rates.__getitem__)
-
-    def choose(self) -> int:
+    def budget(self, sampling_drafter: bool) -> int:
+        """How many nodes to ask the drafter for: all it may give when drafting is free (the cut
+        decides), the chain length that pays when each draft costs a forward."""
         if self.fixed is not None:
             return self.fixed
-        k = self.best_k()
-        if k > 0:
-            return k
+        if not sampling_drafter:
+            return self.k_max
+        chain = list(range(-1, self.k_max - 1))
+        probs = node_probabilities(chain, [1.0] * self.k_max, self.acceptance)
+        gains = np.concatenate([[1.0], 1.0 + np.cumsum(probs)])
+        costs = [
+            self.costs.ratio(k + 1) + self.overhead + k * self.draft_per_token for k in range(self.k_max + 1)
+        ]
+        best = int(np.argmax(gains / np.asarray(costs)))
+        return best or self._probe(best)
+
+    def cut(self, parents: Sequence[int], shares: Sequence[float], neighbours: int = 0) -> list[int]:
+        """The nodes to verify (ascending, closed under parents) out of a proposal."""
+        n = len(parents)
+        if n == 0:
+            return []
+        if self.fixed is not None:
+            return list(range(min(self.fixed, n)))
+        cap = n
+        if neighbours > 0:
+            base = neighbours + 1
+            cap = min(n, self.costs.row_budget(base, base + n) - base)
+        probs = node_probabilities(parents, shares, self.acceptance)
+        ranked = sorted(range(n), key=lambda i: (-probs[i], i))  # a parent before its children
+        gains = np.concatenate([[1.0], 1.0 + np.cumsum([probs[i] for i in ranked[:cap]])])
+        costs = np.asarray([self.costs.ratio(r + 1) + self.overhead for r in range(cap + 1)])
+        best = int(np.argmax(gains / costs))
+        if best == 0 and cap > 0:
+            best = self._probe(best, cap)
+        else:
+            self._plain_steps = 0
+        return sorted(ranked[:best])
+
+    def _probe(self, best: int, cap: int = 4) -> int:
         self._plain_steps += 1
         if self._plain_steps < self._probe_after:
-            return 0
-        # Probe: try a short draft so a changed acceptance can be noticed.
+            return best
         self._plain_steps = 0
         self._probe_after = min(self._probe_after * 2, 256)
-        return min(4, self.k_max)
+        return min(4, cap, self.k_max)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """Update per-token acceptance from one step: `accepted` successes, then one failure if any."""
-        if drafted == 0:
-            return
-        failures = 1 if accepted < drafted else 0
-        step_rate = accepted / (accepted + failures)
-        self.acceptance += self.smoothing * (step_rate - self.acceptance)
-        if accepted == drafted:
+    def observe(self, rows: int, verify_seconds: float, step_seconds: float, offered: Sequence[float],
+                accepted: int, sampling_drafts: int = 0) -> None:  # fmt: skip
+        """One verified step: its forward of `rows` rows took `verify_seconds` of `step_seconds`."""
+        self.costs.observe(rows, verify_seconds)
+        one = self.costs.seconds.get(1, verify_seconds)
+        if one > 0:
+            extra = max(0.0, step_seconds / one - self.costs.ratio(rows))
+            if sampling_drafts:
+                per = extra / sampling_drafts
+                self.draft_per_token += self.smoothing * (per - self.draft_per_token)
+            else:
+                self.overhead += self.smoothing * (extra - self.overhead)
+        self.acceptance.observe(offered, accepted)
+        if offered and accepted == len(offered):
             self._probe_after = 4

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.decoding.sampling import LOGIT_BIAS_LIMIT, SamplingParams, target_probs
+from pipeline.decoding.tree import path
 
 
 def uses_context(params: SamplingParams) -> bool:
@@ -89,12 +90,20 @@ def chain_paths(drafts: Sequence[int]) -> list[list[int]]:
     return [list(drafts[:i]) for i in range(len(drafts) + 1)]
 
 
+def row_paths(drafts: Sequence[int], parents: Sequence[int] | None) -> list[list[int]]:
+    """The row paths of a verify block [pending, *drafts]: a chain (parents None), or the token tree
+    whose node i continues node parents[i]: row i + 1 has seen the tokens from the root down to node i."""
+    if parents is None:
+        return chain_paths(drafts)
+    return [[], *([drafts[node] for node in path(parents, i)] for i in range(len(drafts)))]
+
+
 def generated_counts(generated: Sequence[int], paths: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
     """(n, vocab) occurrence counts of each row's generated history: `generated`, then its path."""
     base = np.bincount(np.asarray(generated, dtype=np.int64), minlength=vocab)
     counts = np.tile(base, (len(paths), 1))
-    for row, path in zip(counts, paths, strict=True):
-        np.add.at(row, np.asarray(path, dtype=np.int64), 1)
+    for row, seen in zip(counts, paths, strict=True):
+        np.add.at(row, np.asarray(seen, dtype=np.int64), 1)
     return counts
 
 

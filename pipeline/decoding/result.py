@@ -23,6 +23,7 @@ class RunStats(msgspec.Struct, kw_only=True):
     tokens_per_second: float = 0.0
     seed: int = 0
     drafter: str = ""
+    nodes_per_step: float = 0.0  # draft nodes verified per step (a chain's tokens, a tree's nodes)
 
 
 class RequestError(msgspec.Struct, frozen=True):

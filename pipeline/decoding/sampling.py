@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import msgspec
 import numpy as np
 
+from pipeline.decoding.grammar.format import parse_response_format
 from pipeline.decoding.noise import SAMPLE, uniform
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
@@ -42,6 +43,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # token id -> added to its logit, in [-100, 100] (OpenAI). Given as a mapping or as pairs, kept
     # as (token, bias) pairs sorted by token: a dict would make the params unhashable.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: `response_format` as canonical JSON text (`grammar.format`), None for free text.
+    # Text, not a compiled grammar, because this struct crosses the wire; the verifier compiles it.
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -65,6 +69,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.response_format is not None:
+            if parse_response_format(self.response_format) is None:  # malformed: ResponseFormatError
+                raise ValueError("response_format of type text constrains nothing: leave it unset (None)")
+            if self.ignore_eos:  # past the grammar's end only EOS is allowed: it would repeat forever
+                raise ValueError("response_format ends the output where its grammar ends: drop ignore_eos")
 
     def _check_controls(self) -> None:
         """The ranges vLLM checks (and OpenAI documents), with its messages."""

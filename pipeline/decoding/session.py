@@ -10,11 +10,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.decoding.adaptive import KController
+from pipeline.decoding.acceptance import Verdict
+from pipeline.decoding.adaptive import Controller
+from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.result import Result, RunStats
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
+from pipeline.decoding.tree import chain, select, step_shape
 from pipeline.model.tokenizer import Tokenizer
 
 INITIAL_OUTPUT_ROWS = 256
@@ -35,7 +38,9 @@ def check_prompt(prompt_tokens: Sequence[int], context_length: int) -> None:
 
 
 class Stats:
-    """Per-request counters, summed up as `RunStats` at the end."""
+    """Per-request counters, summed up as `RunStats` at the end. `drafted` counts draft nodes
+    verified (a chain's tokens, a tree's nodes); per-position counts are per depth: how many
+    steps offered a node at depth d, and how many kept one."""
 
     def __init__(self, k_max: int) -> None:
         self.steps = self.drafted = self.accepted = self.draft_failures = 0
@@ -43,11 +48,11 @@ class Stats:
         self.position_drafted = np.zeros(k_max, np.int64)
         self.position_accepted = np.zeros(k_max, np.int64)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, depth: int) -> None:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.position_drafted[:drafted] += 1
+        self.position_drafted[:depth] += 1
         self.position_accepted[:accepted] += 1
 
     @property
@@ -71,6 +76,7 @@ class Stats:
             draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds,
             draft_failures=self.draft_failures, wall_seconds=wall, prefill_seconds=prefill_seconds,
             tokens_per_second=tokens / wall if wall > 0 else 0.0, seed=seed, drafter=drafter,
+            nodes_per_step=self.drafted / self.steps if self.steps else 0.0,
         )  # fmt: skip
 
 
@@ -86,8 +92,9 @@ class Session:
         speculation: Speculation,
     ) -> None:
         fixed = speculation.fixed_k
-        self.controller = KController(fixed=fixed, k_max=max(speculation.k_max, fixed or 1))
+        self.controller = Controller(fixed=fixed, k_max=max(speculation.k_max, fixed or 1))
         self.stats = Stats(self.controller.k_max)
+        self.tree, self.sampling_drafter = speculation.tree, speculation.drafter == "model"
         self.out = OutputStream(tokenizer, params)
         self.params, self.context_length = params, context_length
         self.max_iterations = speculation.max_iterations
@@ -107,7 +114,7 @@ class Session:
         return self.out.push(first)
 
     def plan(self) -> int | None:
-        """How many drafts the next step may verify, or None once the request is over."""
+        """How many draft nodes to ask the drafter for, or None once the request is over."""
         if self.out.done:
             return None
         if self.max_iterations is not None and self.stats.steps >= self.max_iterations:
@@ -117,23 +124,54 @@ class Session:
         if room < 0:
             self._ending = "length"
             return None
-        return max(0, min(self.controller.choose(), room, self.params.max_tokens - len(self.out.tokens) - 1))
+        budget = self.controller.budget(self.sampling_drafter)
+        return max(0, min(budget, room, self.params.max_tokens - len(self.out.tokens) - 1))
+
+    def cut(self, proposal: Proposal, want: int, neighbours: int = 0) -> Proposal:
+        """What of a proposal the next step verifies: at most `want` nodes, as the controller
+        chooses (`neighbours`: other requests sharing the verify forward). A proposal that is
+        not the shape it claims is dropped: it would only cost speed."""
+        tokens = proposal.tokens[:want] if proposal.parents is None else proposal.tokens
+        parents = chain(len(tokens)) if proposal.parents is None else proposal.parents
+        if proposal.probs is not None and (proposal.parents is not None or len(proposal.probs) < len(tokens)):
+            return EMPTY  # sampled drafts come as a chain, with a row per token
+        shares = proposal.shares or [1.0] * len(parents)
+        if len(parents) != len(tokens) or len(shares) != len(tokens):
+            return EMPTY
+        keep = [i for i in self.controller.cut(parents, shares, neighbours) if i < want]
+        kept = select(parents, keep)
+        return Proposal(
+            [tokens[i] for i in keep], None if proposal.probs is None else proposal.probs[: len(keep)],
+            proposal.drafter, None if kept == chain(len(kept)) else kept, [shares[i] for i in keep],
+        )  # fmt: skip
 
     def finish_text(self) -> str:
         """When `plan` ended the request itself: mark the output finished, flush held-back text."""
         return self.out.finish(self._ending) if self._ending and not self.out.done else ""
 
+    def record_draft(self, draft: Proposal, verdict: Verdict, draft_s: float, verify_s: float) -> str:
+        """`record` for a verified `draft` (a chain or a tree) and its verdict."""
+        depth, offered = step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
+        return self.record(
+            len(draft.tokens), verdict.tokens, verdict.accepted, draft_s, verify_s, depth=depth,
+            offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
+        )  # fmt: skip
+
     def record(
-        self, drafted: int, emitted: Sequence[int], accepted: int, draft_s: float, verify_s: float
-    ) -> str:
-        """Book one verify pass and push its tokens; returns the text they release."""
+        self, drafted: int, emitted: Sequence[int], accepted: int, draft_s: float, verify_s: float,
+        *, depth: int | None = None, offered: Sequence[float] | None = None, sampled_drafts: int = 0,
+    ) -> str:  # fmt: skip
+        """Book one verify pass of `drafted` nodes (`depth` levels; a chain if not given) and push
+        its tokens; returns the text they release. `offered`: `tree.offered` of the step."""
         stats, controller = self.stats, self.controller
-        stats.record(drafted, accepted)
+        depth = drafted if depth is None else depth
+        if offered is None:  # a chain of shares 1.0: every level up to the first rejection
+            offered = [1.0] * min(accepted + 1, drafted)
+        stats.record(drafted, accepted, depth)
         stats.verify_seconds += verify_s
         stats.draft_seconds += draft_s
-        controller.costs.observe_verify(drafted + 1, verify_s)
-        controller.costs.observe_draft(drafted, draft_s)
-        controller.observe(drafted, accepted)
+        if drafted or controller.fixed is None:
+            controller.observe(drafted + 1, verify_s, draft_s + verify_s, offered, accepted, sampled_drafts)
         text = []
         for token in emitted:
             text.append(self.out.push(token))

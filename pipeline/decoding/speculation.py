@@ -26,9 +26,10 @@ class SpeculationError(ValueError):
 
 class Speculation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     drafter: str = "auto"
-    k: int | Literal["auto"] = "auto"  # drafts per step, or the cost-model controller's choice
+    k: int | Literal["auto"] = "auto"  # draft nodes per step, or the cost-model controller's choice
     k_max: int = 16  # the controller's ceiling
     max_iterations: int | None = None  # verify steps before the request ends (None: no limit)
+    tree: bool = True  # n-gram and suffix drafts as token trees (False: one linear draft a step)
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -45,14 +46,16 @@ class Speculation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             )
 
     def overridden(
-        self, *, drafter: str | None = None, k: int | str | None = None, max_iterations: int | None = None
-    ) -> Speculation:
+        self, *, drafter: str | None = None, k: int | str | None = None, max_iterations: int | None = None,
+        tree: bool | None = None,
+    ) -> Speculation:  # fmt: skip
         """A request's choices over these defaults (None keeps the default), validated again."""
         return Speculation(
             drafter=self.drafter if drafter is None else drafter,
             k=self.k if k is None else k,  # type: ignore[arg-type]
             k_max=self.k_max,
             max_iterations=self.max_iterations if max_iterations is None else max_iterations,
+            tree=self.tree if tree is None else tree,
         )
 
     @property

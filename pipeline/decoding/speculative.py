@@ -10,16 +10,21 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from pipeline.decoding.acceptance import Verdict
 from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
+from pipeline.decoding.grammar.drafting import forced_first
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams, request_seed
 from pipeline.decoding.session import Session, check_prompt
 from pipeline.decoding.speculation import Speculation
 from pipeline.decoding.target import TargetState
 from pipeline.model import Runtime
+from pipeline.model.calibration import row_seconds
 
 log = logging.getLogger(__name__)
+
+StepObserver = Callable[[int, Proposal, Verdict, int], None]  # (k, what was verified, verdict, draws)
 
 
 def decode(
@@ -31,39 +36,47 @@ def decode(
     k: int | None = None,
     k_max: int = 16,
     max_iterations: int | None = None,
+    tree: bool = True,
     on_text: Callable[[str], None] | None = None,
+    on_step: StepObserver | None = None,
 ) -> Result:
-    """Generate with speculation; `k=None` lets the adaptive controller choose k each step.
-    The drafter is `source` (k, k_max and max_iterations are checked as `Speculation` checks them)."""
-    speculation = Speculation(k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations)
+    """Generate with speculation; `k=None` lets the cost-model controller choose how many draft
+    nodes to verify each step, `tree=False` asks the drafters for one linear draft a step.
+    The drafter is `source` (k, k_max and max_iterations are checked as `Speculation` checks them).
+    `on_step` sees every step as it is decided (the prefill as step 0), as the audit trail does."""
+    speculation = Speculation(
+        k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations, tree=tree
+    )
     check_prompt(prompt_tokens, model.cfg.context_length)
     if (problem := vocabulary_problem(params, model.cfg.vocab_size)) is not None:
         raise ValueError(problem)
     assert model.tokenizer is not None
     seed = request_seed(params.seed)
     session = Session(model.tokenizer, model.cfg.context_length, prompt_tokens, params, speculation)
+    if speculation.fixed_k is None:
+        session.controller.costs.calibrate(row_seconds(model))
     target = TargetState(model, params, seed, capacity=session.capacity())
-    drafter = GuardedDrafter(source.start(prompt_tokens, params, seed))
+    drafter = GuardedDrafter(forced_first(source.start(prompt_tokens, params, seed), target.grammar))
     emit = on_text or (lambda _text: None)
 
     start = time.perf_counter()
-    first, _ = target.prefill(prompt_tokens)
+    first, u = target.prefill(prompt_tokens)
     assert first is not None
     prefill_seconds = time.perf_counter() - start
+    observe = on_step or (lambda *_: None)
+    observe(0, EMPTY, Verdict([first], 0, [], u), target.draws)
     emit(session.start(first))
     while (want := session.plan()) is not None:
         context = session.context
         t0 = time.perf_counter()
-        proposal = drafter.propose(context, want)
+        # The controller's cut, then the grammar's (nodes it forbids would be rejected: never run).
+        draft = target.constrain(session.cut(drafter.propose(context, want, speculation.tree), want))
         draft_seconds = time.perf_counter() - t0
-        drafted = proposal.tokens[:want]
-        probs = None if proposal.probs is None else proposal.probs[: len(drafted)]
 
         t0 = time.perf_counter()
-        logits = model.forward(target.cache, [context[-1], *drafted])
-        verdict = target.conclude(logits, drafted, probs, pending=context[-1])
-        verify_seconds = time.perf_counter() - t0
-        emit(session.record(len(drafted), verdict.tokens, verdict.accepted, draft_seconds, verify_seconds))
+        verdict = target.step(context[-1], draft)
+        emit(session.record_draft(draft, verdict, draft_seconds, time.perf_counter() - t0))
+        observe(want, draft, verdict, target.draws)
         drafter.accept(session.context)
     emit(session.finish_text())
 
@@ -90,8 +103,8 @@ class GuardedDrafter:
             self.failures += 1
             return None
 
-    def propose(self, context: list[int], k: int) -> Proposal:
-        proposal = self._call("propose", context, k) if k > 0 else None
+    def propose(self, context: list[int], k: int, tree: bool = False) -> Proposal:
+        proposal = self._call("propose", context, k, tree) if k > 0 else None
         return proposal if isinstance(proposal, Proposal) else EMPTY
 
     def accept(self, context: list[int]) -> None:

@@ -8,9 +8,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.decoding.acceptance import Verdict, verify
-from pipeline.decoding.controls import chain_paths, shaped_probs, uses_context
+from pipeline.decoding.acceptance import Verdict, verify, verify_tree
+from pipeline.decoding.controls import row_paths, shaped_probs, uses_context
+from pipeline.decoding.drafters import Proposal
+from pipeline.decoding.grammar.rows import constraint_for
 from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
+from pipeline.decoding.tree import rows_parents
 from pipeline.model import Runtime
 
 
@@ -30,6 +33,8 @@ class TargetState:
         self.cache = model.new_cache(capacity=capacity)
         self.context: list[int] = []
         self.prompt_length = prompt_length
+        # Structured output: the grammar's masks on every row this state samples from (`grammar.rows`).
+        self.grammar = constraint_for(model, params.response_format)
 
     def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
         """Feed `tokens`; sample the next token from the last position if asked."""
@@ -45,9 +50,13 @@ class TargetState:
 
     def first_token(self, last_logits: np.ndarray) -> tuple[int, float | None]:
         """The token after the prompt, from the prompt's last logits row (fed whole or in chunks)."""
+        if self.grammar is not None:
+            last_logits = self.grammar.next_row(last_logits)
         probs = self.distributions(last_logits[None], [], [[]])[0]
         token, u = sample_at(probs, self.seed, self.cache.length)
         self.draws += u is not None
+        if self.grammar is not None:
+            self.grammar.commit([token])
         return token, u
 
     def distributions(
@@ -60,15 +69,38 @@ class TargetState:
         prompt_length = len(self.context) if self.prompt_length is None else self.prompt_length
         return shaped_probs(logits, self.params, [*self.context, *fed], prompt_length, paths)
 
+    def constrain(self, draft: Proposal) -> Proposal:
+        """The draft worth a forward: without the nodes the grammar forbids and their descendants
+        (the target would reject them anyway). Call before the forward over [pending, *tokens]."""
+        return draft if self.grammar is None else self.grammar.cut(draft)
+
+    def step(self, pending: int, draft: Proposal) -> Verdict:
+        """One verify step on its own: the forward over [pending, *draft] (a chain or a tree), then
+        `conclude` (the verify lane batches forwards and calls `conclude` itself)."""
+        parents = None if draft.parents is None else rows_parents(draft.parents)
+        logits = self.model.forward_batch([(self.cache, [pending, *draft.tokens], parents)])[0]
+        return self.conclude(logits, draft.tokens, draft.probs, draft.parents, pending=pending)
+
     def conclude(
-        self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None, *, pending: int
-    ) -> Verdict:
-        """Apply the acceptance rule to a forward over [pending, *drafts] and roll back."""
+        self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None,
+        parents: list[int] | None = None, *, pending: int,
+    ) -> Verdict:  # fmt: skip
+        """Apply the acceptance rule to a forward over [pending, *drafts] (a chain, or the token
+        tree whose node i continues node parents[i], run as `tree.rows_parents(parents)`) and keep
+        only the accepted tokens' K/V."""
         start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
-        q = self.distributions(logits, [pending], chain_paths(drafts))
-        verdict = verify(drafts, draft_probs, q, self.seed, start)
-        self.cache.truncate(start + verdict.accepted)
-        self.context += [pending, *drafts[: verdict.accepted]]
+        if self.grammar is not None:
+            logits, draft_probs = self.grammar.constrain(logits, drafts, draft_probs, parents)
+        probs = self.distributions(logits, [pending], row_paths(drafts, parents))
+        if parents is None:
+            verdict = verify(drafts, draft_probs, probs, self.seed, start)
+            self.cache.truncate(start + verdict.accepted)
+        else:
+            verdict = verify_tree(drafts, parents, probs, self.seed, start)
+            self.cache.keep(start - 1, [0, *(node + 1 for node in verdict.path)])
+        self.context += [pending, *verdict.tokens[: verdict.accepted]]
+        if self.grammar is not None:
+            self.grammar.commit(verdict.tokens)
         # A rejected deterministic draft's number also chose its replacement: count it once.
         self.draws += len({*(d.u for d in verdict.decisions), verdict.final_u} - {None})
         return verdict

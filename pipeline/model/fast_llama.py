@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.fast_products import NativeProducts
-from pipeline.model.llama import KVCache, Rope, validate_batch
+from pipeline.model.llama import KVCache, Rope, batch_parents, validate_batch
 from pipeline.model.native import CLayer, CMatrix, CScratch, CSequence, row_kernels
 from pipeline.model.native_weights import NativeMatrix
 from pipeline.model.tokenizer import Tokenizer
@@ -88,20 +88,20 @@ class FastModel:
         """Logits for `tokens` appended at positions [cache.length, cache.length + T)."""
         return self.forward_batch([(cache, tokens)], all_logits=all_logits)[0]
 
-    def forward_batch(
-        self, batch: Sequence[tuple[RowCache, Sequence[int]]], *, all_logits: bool = True
-    ) -> list[np.ndarray]:
-        """One step for several sequences: (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
+    def forward_batch(self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True) -> list[np.ndarray]:
+        """One step for several sequences, each (cache, tokens) or a token tree (cache, tokens,
+        parents: `llama.batch_parents`): (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
         cfg, lib, eps = self.cfg, self.lib, self.cfg.rms_eps
         ids = validate_batch(cfg, batch)
+        seqs = [(item[0], shape) for item, shape in zip(batch, batch_parents(batch, ids), strict=True)]
         spans = np.cumsum([0, *(t.size for t in ids)])
         n, d = int(spans[-1]), cfg.d_model
         x = np.ascontiguousarray(self.embed[np.concatenate(ids)], dtype=np.float32)
         if self.c_layers is not None:
-            self.forward_layers_native(x, batch, spans)
+            self.forward_layers_native(x, seqs, spans)
         else:
-            self.forward_layers(x, batch, spans)
-        for (cache, _), t in zip(batch, ids, strict=True):
+            self.forward_layers(x, seqs, spans)
+        for (cache, _), t in zip(seqs, ids, strict=True):
             cache.length += t.size
         rows = np.arange(n) if all_logits else spans[1:] - 1
         hidden = np.ascontiguousarray(x[rows])
@@ -122,8 +122,9 @@ class FastModel:
         lib.rms_norm_f32(x.ctypes.data, n, d, layers[0]["attn_norm"].ctypes.data, eps, h.ctypes.data)
         for index, lw in enumerate(layers):
             qkv = mm.apply(mm.prepare(h), lw["wqkv"])
-            for i, (cache, _) in enumerate(batch):
-                self._attend(index, lw, cache, qkv[spans[i] : spans[i + 1]], attn[spans[i] : spans[i + 1]])
+            for i, (cache, parents) in enumerate(batch):
+                rows = slice(spans[i], spans[i + 1])
+                self._attend(index, lw, cache, parents, qkv[rows], attn[rows])
             out = mm.apply(mm.prepare(attn), lw["wo"])
             lib.add_rms_norm_f32(
                 x.ctypes.data, out.ctypes.data, n, d, lw["ffn_norm"].ctypes.data, eps, h.ctypes.data
@@ -150,8 +151,9 @@ class FastModel:
         scratch = CScratch(**{name: a.ctypes.data for name, a in buffers.items()})
         seqs = (CSequence * len(batch))(*[
             CSequence(int(spans[i]), int(spans[i + 1] - spans[i]), cache.length, cache.stride,
-                      cache.k.ctypes.data, cache.v.ctypes.data)
-            for i, (cache, _) in enumerate(batch)
+                      cache.k.ctypes.data, cache.v.ctypes.data,
+                      None if parents is None else parents.ctypes.data)
+            for i, (cache, parents) in enumerate(batch)
         ])  # fmt: skip
         self.lib.forward_layers(
             x.ctypes.data, n, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps,
@@ -160,13 +162,15 @@ class FastModel:
         )  # fmt: skip
 
     def _attend(
-        self, index: int, lw: dict[str, Any], cache: RowCache, qkv: np.ndarray, out: np.ndarray
-    ) -> None:
+        self, index: int, lw: dict[str, Any], cache: RowCache, parents: np.ndarray | None, qkv: np.ndarray,
+        out: np.ndarray,
+    ) -> None:  # fmt: skip
         """Rotate and store this sequence's new K/V in layer `index` of its cache, attend, write `out`."""
         cfg, kt, v = self.cfg, cache.k[index], cache.v[index]
         bias = lw["bqkv"].ctypes.data if lw["bqkv"] is not None else None
+        tree = None if parents is None else parents.ctypes.data
         self.lib.rope_attend_f32(
-            qkv.ctypes.data, bias, qkv.shape[0], cache.length, self.cos.ctypes.data, self.sin.ctypes.data,
-            kt.ctypes.data, v.ctypes.data, cache.stride, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-            float(cfg.head_dim**-0.5), out.ctypes.data,
+            qkv.ctypes.data, bias, qkv.shape[0], cache.length, tree, self.cos.ctypes.data,
+            self.sin.ctypes.data, kt.ctypes.data, v.ctypes.data, cache.stride, cfg.n_heads, cfg.n_kv_heads,
+            cfg.head_dim, float(cfg.head_dim**-0.5), out.ctypes.data,
         )  # fmt: skip

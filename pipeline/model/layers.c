@@ -21,6 +21,7 @@ typedef struct {
 typedef struct {
     int first_row, rows, start, cap; /* its rows in the batch, its cache length, its cache capacity */
     float *kt, *v;                    /* layer 0 of its cache; layer l is l * n_kv * hd * cap further */
+    const int *parents;               /* NULL for a chain; a token tree's parent rows (rope_attend_f32) */
 } Sequence;
 
 typedef struct {
@@ -51,7 +52,7 @@ void forward_layers(float *x, int rows, int d, int ff, int n_heads, int n_kv, in
         for (int i = 0; i < n_seqs; i++) {
             const Sequence *q = &seqs[i];
             size_t layer_offset = (size_t)l * n_kv * hd * q->cap;
-            rope_attend_f32(s->qkv + (size_t)q->first_row * width, L->bias, q->rows, q->start, cos, sin,
+            rope_attend_f32(s->qkv + (size_t)q->first_row * width, L->bias, q->rows, q->start, q->parents, cos, sin,
                             q->kt + layer_offset, q->v + layer_offset, q->cap, n_heads, n_kv, hd, scale,
                             s->attn + (size_t)q->first_row * q_dim);
         }

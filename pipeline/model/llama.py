@@ -54,6 +54,20 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
 
+    def keep(self, start: int, slots: Sequence[int]) -> None:
+        """After a token tree's forward: keep the K/V of the tree rows `slots` (a root-first path,
+        as offsets from `start`) at positions start, start + 1, ... and drop every other row.
+
+        A tree row's keys were rotated for its depth, which is its place on the path, so moving
+        its K/V is all the compaction there is."""
+        rows = np.asarray(slots, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or start + rows.max() >= self.length):
+            raise ValueError(f"tree rows {slots} are not in a cache of {self.length} from {start}")
+        source = start + rows
+        self.k[..., start : start + rows.size] = self.k[..., source]
+        self.v[:, :, start : start + rows.size] = self.v[:, :, source]
+        self.length = start + rows.size
+
 
 @dataclass(frozen=True)
 class Rope:
@@ -103,21 +117,59 @@ def causal_mask(start: int, rows: int) -> np.ndarray:
     return np.where(future, np.float32(-np.inf), np.float32(0.0))
 
 
-def validate_batch(cfg: ModelConfig, batch: Sequence[tuple[Any, Sequence[int]]]) -> list[np.ndarray]:
+def tree_mask(start: int, parents: np.ndarray) -> np.ndarray:
+    """Additive mask for a token tree's rows over the cache and the tree: a row sees the cache,
+    its ancestors and itself (`parents`: see `batch_parents`)."""
+    rows = parents.size
+    sees = np.eye(rows, dtype=bool)
+    for r in range(rows):
+        if parents[r] >= 0:
+            sees[r] |= sees[parents[r]]
+    visible = np.concatenate([np.ones((rows, start), bool), sees], axis=1)
+    return np.where(visible, np.float32(0.0), np.float32(-np.inf))
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    depth = np.zeros(parents.size, np.int64)
+    for r, parent in enumerate(parents):
+        depth[r] = 0 if parent < 0 else depth[parent] + 1
+    return depth
+
+
+def batch_parents(batch: Sequence[tuple[Any, ...]], ids: list[np.ndarray]) -> list[np.ndarray | None]:
+    """Each sequence's token-tree shape, or None for a chain. A batch item (cache, tokens,
+    parents) is a tree: parents[r] is the row that row r continues (-1: the cache itself), always
+    an earlier row. Row r then sits at the position after its ancestors, and sees only them."""
+    shapes: list[np.ndarray | None] = []
+    for item, t in zip(batch, ids, strict=True):
+        parents = item[2] if len(item) > 2 else None
+        if parents is None:
+            shapes.append(None)
+            continue
+        parents = np.ascontiguousarray(parents, dtype=np.int32).reshape(-1)
+        if parents.size != t.size:
+            raise ValueError(f"{parents.size} parents for {t.size} tree tokens")
+        if np.any(parents < -1) or np.any(parents >= np.arange(t.size)):
+            raise ValueError("a tree row's parent must be -1 or an earlier row")
+        shapes.append(parents)
+    return shapes
+
+
+def validate_batch(cfg: ModelConfig, batch: Sequence[tuple[Any, ...]]) -> list[np.ndarray]:
     """Each sequence's new tokens as int64 arrays, checked, with room reserved in its cache.
 
     Shared by both backends, so a bad batch is refused the same way and before any cache moves.
     """
-    if len({id(cache) for cache, _ in batch}) != len(batch):
+    if len({id(item[0]) for item in batch}) != len(batch):
         raise ValueError("a cache may appear only once in a batch")
-    ids = [np.asarray(tokens, dtype=np.int64).reshape(-1) for _, tokens in batch]
+    ids = [np.asarray(item[1], dtype=np.int64).reshape(-1) for item in batch]
     for t in ids:
         if t.size == 0:
             raise ValueError("every sequence in a batch needs at least one new token")
         if t.min() < 0 or t.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
-    for (cache, _), t in zip(batch, ids, strict=True):
-        cache.reserve(cache.length + t.size)
+    for item, t in zip(batch, ids, strict=True):
+        item[0].reserve(item[0].length + t.size)
     return ids
 
 
@@ -167,23 +219,26 @@ class Model:
         """Logits for `tokens` appended at positions [cache.length, cache.length + T)."""
         return self.forward_batch([(cache, tokens)], all_logits=all_logits)[0]
 
-    def forward_batch(
-        self, batch: Sequence[tuple[KVCache, Sequence[int]]], *, all_logits: bool = True
-    ) -> list[np.ndarray]:
-        """One step for several sequences: (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
+    def forward_batch(self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True) -> list[np.ndarray]:
+        """One step for several sequences, each (cache, tokens) or a token tree (cache, tokens,
+        parents): (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
         cfg = self.cfg
         ids = validate_batch(cfg, batch)
+        shapes = batch_parents(batch, ids)
         spans = np.cumsum([0, *(t.size for t in ids)])
-        positions = np.concatenate(
-            [c.length + np.arange(t.size) for (c, _), t in zip(batch, ids, strict=True)]
-        )
+        caches = [item[0] for item in batch]
+        positions = np.concatenate([
+            c.length + (np.arange(t.size) if shape is None else tree_depths(shape))
+            for c, t, shape in zip(caches, ids, shapes, strict=True)
+        ])  # fmt: skip
         x = self.w["embed"][np.concatenate(ids)]  # fancy indexing copies: x is ours to update
         q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
-        # Each sequence's causal mask depends only on its position and block size: build it once.
+        # Each sequence's mask depends only on its position and block shape: build it once.
         masks = [
-            causal_mask(c.length, t.size) if t.size > 1 else None
-            for (c, _), t in zip(batch, ids, strict=True)
-        ]
+            tree_mask(c.length, shape) if shape is not None
+            else causal_mask(c.length, t.size) if t.size > 1 else None
+            for c, t, shape in zip(caches, ids, shapes, strict=True)
+        ]  # fmt: skip
         for layer, lw in enumerate(self.layers):
             qkv = linear(rms_normalize(x, eps), lw["wqkv"])
             if "bqkv" in lw:
@@ -193,13 +248,13 @@ class Model:
             q, k = heads[:, : cfg.n_heads], heads[:, cfg.n_heads :]
             v = qkv[:, q_dim + kv_dim :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
             attn = np.empty((x.shape[0], q_dim), np.float32)
-            for i, (cache, _) in enumerate(batch):
+            for i, cache in enumerate(caches):
                 rows = slice(spans[i], spans[i + 1])
                 attn[rows] = self._attend(cache, layer, q[rows], k[rows], v[rows], masks[i])
             x += linear(attn, lw["wo"])
             gate_up = linear(rms_normalize(x, eps), lw["wgu"])
             x += linear(silu(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], lw["wdown"])
-        for (cache, _), t in zip(batch, ids, strict=True):
+        for cache, t in zip(caches, ids, strict=True):
             cache.length += t.size
         rows = np.arange(x.shape[0]) if all_logits else spans[1:] - 1
         hidden = rms_normalize(x[rows], eps) * self.w["out_norm"]

@@ -35,7 +35,7 @@ SIGNATURES = {
     "add_rms_norm_f32": (_P, _P, _I, _I, _P, _F, _P),
     "add_f32": (_P, _P, _I),
     "silu_mul_f32": (_P, _I, _I, _P),
-    "rope_attend_f32": (_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P),
+    "rope_attend_f32": (_P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P),
     "quantize_q8": (_P, _I, _I, _P, _P, _P),
     "gemm_q4": (_P, _P, _P, _I, _I, _P, _I, _P),
     "gemm_q8": (_P, _P, _I, _I, _P, _I, _P),
@@ -53,7 +53,8 @@ class CLayer(ctypes.Structure):
 
 
 class CSequence(ctypes.Structure):
-    _fields_ = (("first_row", _I), ("rows", _I), ("start", _I), ("cap", _I), ("kt", _P), ("v", _P))
+    _fields_ = (("first_row", _I), ("rows", _I), ("start", _I), ("cap", _I), ("kt", _P), ("v", _P),
+                ("parents", _P))  # fmt: skip
 
 
 class CScratch(ctypes.Structure):

@@ -135,13 +135,13 @@ static void score_block(const float *const *q, int G, const float *kt, int cap, 
 /* out[g] = inv[g] * sum_j weights[g][j] v_j: an fma chain over keys in index order per element,
  * each value row loaded once for the G heads (head_dim <= MAX_HEAD_DIM). */
 #define MAX_HEAD_DIM 256
-static void weigh_values(float *const *weights, int G, const float *v,
-                                                               int n, int hd, const float *inv, float *out) {
+static void weigh_values(float *const *weights, int G, const float *v, int n, const int *tail, int n_tail,
+                         int hd, const float *inv, float *out) {
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     for (int g = 0; g < G; g++)
         for (int i = 0; i < hd; i++) acc[g][i] = 0.0f;
-    for (int j = 0; j < n; j++) {
-        const float *vj = v + (size_t)j * hd;
+    for (int j = 0; j < n + n_tail; j++) {
+        const float *vj = v + (size_t)(j < n ? j : tail[j - n]) * hd;
         for (int g = 0; g < G; g++) {
             float w = weights[g][j];
             for (int i = 0; i < hd; i++) acc[g][i] = fmaf(w, vj[i], acc[g][i]);
@@ -170,12 +170,13 @@ static void scores_3x64(const float *const *q, const float *kt, int cap, int n, 
     }
 }
 
-static void values_3x64(float *const *weights, const float *v, int n, const float *inv, float *out) {
+static void values_3x64(float *const *weights, const float *v, int n, const int *tail, int n_tail,
+                        const float *inv, float *out) {
     __m512 acc[3][4];
     for (int g = 0; g < 3; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        const float *vj = v + (size_t)j * 64;
+    for (int j = 0; j < n + n_tail; j++) {
+        const float *vj = v + (size_t)(j < n ? j : tail[j - n]) * 64;
         __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
                v3 = _mm512_loadu_ps(vj + 48);
         for (int g = 0; g < 3; g++) {
@@ -193,14 +194,25 @@ static void values_3x64(float *const *weights, const float *v, int n, const floa
 #define FAST_3x64 1
 #endif
 
-/* softmax(q K^T) V over keys 0..n-1 for the G heads of one kv head and one row; q already scaled. */
-static void attend_group(const float *q, int G, const float *kt, const float *v, int n, int cap, int hd,
-                         float *out) {
+/* The score of one key slot: the same fma chain over head_dim as a lane of score_block or
+ * scores_3x64, so a key reached through a tree's slot list scores exactly as in a contiguous run. */
+static float score_slot(const float *q, const float *kt, int cap, int hd, int slot) {
+    float s = 0.0f;
+    for (int i = 0; i < hd; i++) s = fmaf(q[i], kt[(size_t)i * cap + slot], s);
+    return s;
+}
+
+/* softmax(q K^T) V for the G heads of one kv head and one row, q already scaled, over the keys in
+ * slots 0..n-1 followed by the slots listed in tail (a tree row's ancestors and itself): in that
+ * order, so a row whose tail is its contiguous chain computes the same bits as without a tail. */
+static void attend_group(const float *q, int G, const float *kt, const float *v, int n, const int *tail,
+                         int n_tail, int cap, int hd, float *out) {
     const float *qs[MAX_GROUP];
     float *scores[MAX_GROUP];
+    int total = n + n_tail;
     for (int g = 0; g < G; g++) {
         qs[g] = q + (size_t)g * hd;
-        scores[g] = malloc(sizeof(float) * ((size_t)n + KEYS));
+        scores[g] = malloc(sizeof(float) * ((size_t)total + KEYS));
     }
 #ifdef FAST_3x64
     int fast = G == 3 && hd == 64;
@@ -214,38 +226,49 @@ static void attend_group(const float *q, int G, const float *kt, const float *v,
     } else {
         for (int j0 = 0; j0 < n; j0 += KEYS) score_block(qs, G, kt, cap, hd, j0, n - j0 < KEYS ? n - j0 : KEYS, scores);
     }
+    for (int t = 0; t < n_tail; t++)
+        for (int g = 0; g < G; g++) scores[g][n + t] = score_slot(qs[g], kt, cap, hd, tail[t]);
     float inv[MAX_GROUP];
     for (int g = 0; g < G; g++) {
         float m = scores[g][0];
-        for (int j = 1; j < n; j++) m = scores[g][j] > m ? scores[g][j] : m;
-        for (int j = 0; j < n; j++) scores[g][j] = exp_rowinv(scores[g][j] - m);
-        inv[g] = 1.0f / lane_sum(scores[g], n);
+        for (int j = 1; j < total; j++) m = scores[g][j] > m ? scores[g][j] : m;
+        for (int j = 0; j < total; j++) scores[g][j] = exp_rowinv(scores[g][j] - m);
+        inv[g] = 1.0f / lane_sum(scores[g], total);
     }
     if (fast) {
 #ifdef FAST_3x64
-        values_3x64(scores, v, n, inv, out);
+        values_3x64(scores, v, n, tail, n_tail, inv, out);
 #endif
     } else {
-        weigh_values(scores, G, v, n, hd, inv, out);
+        weigh_values(scores, G, v, n, tail, n_tail, hd, inv, out);
     }
     for (int g = 0; g < G; g++) free(scores[g]);
 }
 
 /* One sequence's causal GQA attention for one layer.
  *
- * qkv: (rows, (n_heads + 2 n_kv) hd), the fused projection; bias: its bias or NULL. Row r sits at
- * position start + r. Its K/V are rotated and written into the cache (kt: (n_kv, hd, cap), keys
- * transposed; v: (n_kv, cap, hd)), then every row attends to keys 0..start+r. out: (rows, n_heads
- * hd). cos/sin: (context, hd/2) tables. scale: 1/sqrt(hd).
+ * qkv: (rows, (n_heads + 2 n_kv) hd), the fused projection; bias: its bias or NULL. cos/sin:
+ * (context, hd/2) tables. scale: 1/sqrt(hd). out: (rows, n_heads hd). kt: (n_kv, hd, cap), keys
+ * transposed; v: (n_kv, cap, hd).
+ *
+ * parents NULL: a chain. Row r sits at position start + r; its K/V are rotated and written into
+ * slot start + r, and it attends to slots 0..start+r.
+ * parents given: a token tree. parents[r] is the row r descends from (-1: from the cache, and
+ * parents[r] < r). Row r sits at position start + depth(r) and writes slot start + r; it attends
+ * to slots 0..start-1, then its ancestors' slots from the root down, then its own. Those are the
+ * keys, in the order, that a chain through the same tokens gives that row, so a tree row's values
+ * are bit for bit the chain's (tests/test_tree_attention.py).
  */
-void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, const float *cos,
-                      const float *sin, float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale,
-                     float *out) {
+void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, const int *parents,
+                     const float *cos, const float *sin, float *kt, float *v, int cap, int n_heads, int n_kv,
+                     int hd, float scale, float *out) {
     int half = hd / 2, group = n_heads / n_kv, width = (n_heads + 2 * n_kv) * hd;
     float *q = malloc(sizeof(float) * (size_t)rows * n_heads * hd);
     float *kv = malloc(sizeof(float) * hd), *row = malloc(sizeof(float) * width);
+    int *depth = malloc(sizeof(int) * (size_t)rows);
     for (int r = 0; r < rows; r++) {
-        int pos = start + r;
+        depth[r] = parents == NULL ? r : (parents[r] < 0 ? 0 : depth[parents[r]] + 1);
+        int pos = start + depth[r], slot = start + r;
         for (int i = 0; i < width; i++) row[i] = qkv[(size_t)r * width + i] + (bias ? bias[i] : 0.0f);
         const float *src = row;
         const float *c = cos + (size_t)pos * half, *s = sin + (size_t)pos * half;
@@ -258,24 +281,35 @@ void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, c
         for (int h = 0; h < n_kv; h++) {
             for (int i = 0; i < hd; i++) kv[i] = src[(n_heads + h) * hd + i];
             rope_head(kv, c, s, hd);
-            for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + pos] = kv[i];
+            for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + slot] = kv[i];
             for (int i = 0; i < hd; i++)
-                v[((size_t)h * cap + pos) * hd + i] = src[(n_heads + n_kv + h) * hd + i];
+                v[((size_t)h * cap + slot) * hd + i] = src[(n_heads + n_kv + h) * hd + i];
         }
     }
     free(kv);
     free(row);
+    /* A tree row's tail: the slots of its path from the root, root first (rows x rows ints). */
+    int *paths = NULL;
+    if (parents != NULL) {
+        paths = malloc(sizeof(int) * (size_t)rows * rows);
+        for (int r = 0; r < rows; r++)
+            for (int a = r, d = depth[r]; a >= 0; a = parents[a], d--) paths[(size_t)r * rows + d] = start + a;
+    }
     int units = n_kv * rows;
     size_t work = (size_t)units * group * (start + rows) * hd;
 #pragma omp parallel for schedule(static) if (units > 1 && work > 32768)
     for (int unit = 0; unit < units; unit++) {
-        int h = unit % n_kv, r = unit / n_kv, n = start + r + 1;
+        int h = unit % n_kv, r = unit / n_kv;
+        int n = paths ? start : start + r + 1, n_tail = paths ? depth[r] + 1 : 0;
+        const int *tail = paths ? paths + (size_t)r * rows : NULL;
         for (int g0 = 0; g0 < group; g0 += MAX_GROUP) {
             int G = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP, head = h * group + g0;
             attend_group(q + ((size_t)r * n_heads + head) * hd, G, kt + (size_t)h * hd * cap,
-                         v + (size_t)h * cap * hd, n, cap, hd, out + ((size_t)r * n_heads + head) * hd);
+                         v + (size_t)h * cap * hd, n, tail, n_tail, cap, hd,
+                         out + ((size_t)r * n_heads + head) * hd);
         }
     }
+    free(paths);
+    free(depth);
     free(q);
 }
-

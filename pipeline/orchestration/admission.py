@@ -62,6 +62,11 @@ def admit(
 ) -> Admitted | ErrorReply:
     if (problem := oversized(msg)) is not None:
         return ErrorReply(kind="bad_request", message=problem)
+    if msg.params.response_format is not None:  # the lanes do not apply grammars yet: refuse, never ignore
+        return ErrorReply(
+            kind="bad_request",
+            message="response_format is not served by the pipeline yet (speclanes generate has it)",
+        )
     try:
         speculation = defaults.overridden(drafter=msg.drafter, k=msg.k, max_iterations=msg.max_iterations)
     except SpeculationError as exc:

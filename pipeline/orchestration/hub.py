@@ -83,8 +83,7 @@ class Hub:
         journal: Journal | None = None,
     ) -> None:
         self.config, self.tokenizer, self.context_length = config, tokenizer, context_length
-        self.tracing, self.lanes = tracing, lanes
-        self.journal = journal or Journal()
+        self.tracing, self.lanes, self.journal = tracing, lanes, journal or Journal()
         self.front = ClientFront(config.timeouts)
         self.ledger = Ledger(config.audit, lanes, self.journal)
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
@@ -194,8 +193,10 @@ class Hub:
         if isinstance(msg, AuditAck):
             self.ledger.acknowledged(msg.event_ids)
             return []
-        machine = self.front.machine(msg.request_id)
-        return [] if machine is None else self._run(machine, machine.on_reply(msg, now), now)
+        if (machine := self.front.machine(msg.request_id)) is None:
+            return []
+        machine.neighbours = max(0, len(self.front.running()) - self.queue.depth - 1)  # share its forwards
+        return self._run(machine, machine.on_reply(msg, now), now)
 
     def on_control(self, msg: ControlInbox | BadMessage, now: float) -> list[Send]:
         if isinstance(msg, BadMessage):
@@ -240,10 +241,8 @@ class Hub:
         """The lane process could not hand `send` over right now."""
         if send.lane == "audit":
             self.ledger.outbox.unsent(send.event_id)
-        elif isinstance(send.message, DraftRequest):
-            machine = self.front.machine(send.message.request_id)
-            if machine is not None:
-                return self._run(machine, machine.draft_unsent(now), now)
+        elif isinstance(ask := send.message, DraftRequest) and (m := self.front.machine(ask.request_id)):
+            return self._run(m, m.draft_unsent(now), now)
         return []
 
     # --- effects ----------------------------------------------------------------------

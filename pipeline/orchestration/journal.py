@@ -72,6 +72,8 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     verify_seconds: float
     draws: int
     drafter: str = ""
+    depth: int | None = None  # levels of the verified tree (None: a chain of `drafted`)
+    offered: list[float] | None = None  # `tree.offered` of the step (None: a chain's)
 
 
 @dataclass

@@ -19,8 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.session import Session
+from pipeline.decoding.tree import check, step_shape
 from pipeline.orchestration.effects import (
     DraftLaneSlow,
     Effect,
@@ -74,12 +76,15 @@ class Identity:
 
 @dataclass
 class Planned:
-    """The step being prepared: how many drafts it may verify, what was drafted and how fast."""
+    """The step being prepared: how many draft nodes it may verify, what is verified (a chain, or
+    a tree: `parents`, with the drafter's `shares`) and how fast it was drafted."""
 
     want: int
     drafter: str = ""
     drafts: tuple[int, ...] = ()
     rows: Rows | None = None
+    parents: list[int] | None = None
+    shares: list[float] | None = None
     draft_started: float = 0.0
     draft_seconds: float = 0.0
     verify_started: float = 0.0
@@ -97,6 +102,7 @@ class RequestMachine:
         self.planned: Planned | None = None
         self.prefill_seconds = 0.0
         self.waiting_for_verify_lane = False
+        self.neighbours = 0  # other requests sharing the verify lane's forwards (set by the hub)
 
     @property
     def id(self) -> str:
@@ -130,6 +136,8 @@ class RequestMachine:
             return self._drafted(msg, now)
         if isinstance(msg, Opened):
             assert isinstance(pending, Open)
+            if msg.row_seconds and self.session.controller.fixed is None:
+                self.session.controller.costs.calibrate(msg.row_seconds)
             if not pending.sample:  # the lane is re-primed: ask it the lost step again (none after
                 return self._verify_step(now) if self.planned else self._advance(now)  # a replay)
             return self._opened(msg, now)
@@ -216,7 +224,7 @@ class RequestMachine:
         self.pending = DraftRequest(
             request_id=self.id, step=self.step + 1, drafter=self.who.drafter, params=session.params,
             seed=self.who.seed, prompt_length=len(session.prompt_tokens), context=session.context,
-            k=want, trace=self.who.trace,
+            k=want, tree=session.tree, trace=self.who.trace,
         )  # fmt: skip
         self.deadline = now + self.timeouts.draft
         return [Send("draft", self.pending)]
@@ -224,16 +232,11 @@ class RequestMachine:
     def _drafted(self, msg: Drafted, now: float) -> list[Effect]:
         planned = self.planned
         assert planned is not None
-        drafts, effects = msg.tokens[: planned.want], []
-        try:
-            if msg.probs is not None and msg.probs.shape[0] >= len(drafts):
-                planned.rows = Rows.of(msg.probs.array()[: len(drafts)]) if drafts else None
-            elif msg.probs is not None:
-                drafts = []  # fewer rows than tokens: not a proposal the acceptance rule can use
-        except BadMessage as exc:  # rows whose bytes do not fit their shape: this step decodes plainly
-            drafts, planned.rows = [], None
-            effects.append(Raise("bad_request", "draft", f"draft rows for step {msg.step}: {exc}", self.id))
-        planned.drafts, planned.drafter = tuple(drafts), msg.drafter
+        proposal, effects = proposal_of(msg, self.id)
+        draft = self.session.cut(proposal, planned.want, self.neighbours)
+        planned.drafts, planned.drafter = tuple(draft.tokens), msg.drafter
+        planned.parents, planned.shares = draft.parents, draft.shares
+        planned.rows = None if draft.probs is None or not draft.tokens else Rows.of(draft.probs)
         planned.draft_seconds = now - planned.draft_started
         return effects + self._verify_step(now)
 
@@ -245,7 +248,8 @@ class RequestMachine:
             Verify(
                 request_id=self.id, step=self.step + 1, position=len(session.context) - 1,
                 pending=session.context[-1], drafts=list(planned.drafts),
-                draft_probs=planned.rows if planned.drafts else None, trace=self.who.trace,
+                draft_probs=planned.rows if planned.drafts else None, parents=planned.parents,
+                trace=self.who.trace,
             ),
             now,
         )  # fmt: skip
@@ -260,9 +264,10 @@ class RequestMachine:
     def _verified(self, msg: Verified, now: float) -> list[Effect]:
         planned = self.planned
         assert planned is not None
+        depth, offered = step_shape(planned.parents, planned.shares, len(planned.drafts), msg.path)
         record = StepRecord(
             msg.step, len(planned.drafts), list(msg.tokens), msg.accepted, planned.draft_seconds,
-            now - planned.verify_started, msg.draws, planned.drafter,
+            now - planned.verify_started, msg.draws, planned.drafter, depth, offered,
         )  # fmt: skip
         self._apply(record)
         stepped = Stepped(
@@ -279,7 +284,10 @@ class RequestMachine:
             text = session.start(record.tokens[0])
         else:
             seconds = (record.draft_seconds, record.verify_seconds)
-            text = session.record(record.drafted, record.tokens, record.accepted, *seconds)
+            text = session.record(
+                record.drafted, record.tokens, record.accepted, *seconds, depth=record.depth,
+                offered=record.offered, sampled_drafts=record.drafted if record.drafter == "model" else 0,
+            )  # fmt: skip
         self.step, self.draws = record.step, record.draws
         self._emit(text, before)
 
@@ -334,6 +342,18 @@ class RequestMachine:
             self.chunks.append(Chunk(len(self.chunks), text, tokens))
 
 
+def proposal_of(msg: Drafted, request_id: str) -> tuple[Proposal, list[Effect]]:
+    """The draft lane's proposal as the session cuts it; one whose rows do not fit their shape,
+    or whose tree is not a tree, is no proposal (the step decodes plainly), and the former is a fault."""
+    try:
+        probs = None if msg.probs is None else msg.probs.array()
+    except BadMessage as exc:
+        return EMPTY, [Raise("bad_request", "draft", f"draft rows for step {msg.step}: {exc}", request_id)]
+    if check(msg.tokens, msg.parents) is not None:
+        return EMPTY, []
+    return Proposal(msg.tokens, probs, msg.drafter, msg.parents, msg.shares), []
+
+
 def step_event(who: Identity, planned: Planned | None, reply: Opened | Verified, now: float) -> StepEvent:
     """The step for the audit trail (step 0 is the prefill that sampled the first token)."""
     if isinstance(reply, Opened):
@@ -351,4 +371,5 @@ def step_event(who: Identity, planned: Planned | None, reply: Opened | Verified,
         drafter=planned.drafter if planned else "", k=planned.want if planned else 0,
         drafted=list(planned.drafts) if planned else [], emitted=emitted, decisions=decisions,
         final_u=final_u, draws=reply.draws, batch_size=batch, backend=reply.backend,
+        parents=planned.parents if planned else None,
     )  # fmt: skip

@@ -92,12 +92,14 @@ class Open(Work, frozen=True, kw_only=True):
 
 
 class Verify(Work, frozen=True, kw_only=True):
-    """Forward [pending, *drafts] at `position` (= KV-cache length) and decide the drafts."""
+    """Forward [pending, *drafts] at `position` (= KV-cache length) and decide the drafts: a
+    chain, or the token tree whose node i continues node parents[i] (-1: `pending`)."""
 
     position: int
     pending: int
     drafts: list[int] = []
     draft_probs: Rows | None = None
+    parents: list[int] | None = None
 
 
 class Close(Message, frozen=True, kw_only=True):
@@ -120,7 +122,8 @@ class DraftRequest(Work, frozen=True, kw_only=True):
     seed: int
     prompt_length: int
     context: list[int]
-    k: int
+    k: int  # draft nodes at most
+    tree: bool = False  # a token tree welcome (`decoding.tree`), not only a chain
 
 
 # --- data lane: lanes -> orchestrator -------------------------------------------------
@@ -132,6 +135,7 @@ class Opened(Work, frozen=True, kw_only=True):
     draws: int
     seconds: float
     backend: str = ""  # the runtime that computed it ("torch:int4", "numpy:f32"): see model.backends
+    row_seconds: list[float] = []  # the lane's calibrated t(rows) (`model.calibration`)
 
 
 class Verified(Work, frozen=True, kw_only=True):
@@ -143,6 +147,7 @@ class Verified(Work, frozen=True, kw_only=True):
     batch_size: int
     seconds: float
     backend: str = ""
+    path: list[int] = []  # the draft nodes kept, root first
 
 
 class Drafted(Work, frozen=True, kw_only=True):
@@ -150,6 +155,8 @@ class Drafted(Work, frozen=True, kw_only=True):
     probs: Rows | None
     drafter: str
     seconds: float
+    parents: list[int] | None = None  # a token tree's shape; None: a chain
+    shares: list[float] | None = None  # each node's share of its parent's candidates
 
 
 class StepFailed(Work, frozen=True, kw_only=True):
@@ -190,6 +197,7 @@ class StepEvent(AuditEvent, frozen=True, kw_only=True):
     draws: int
     batch_size: int
     backend: str = ""  # the verify lane's runtime for this step: `audit verify` recomputes with it
+    parents: list[int] | None = None  # `drafted` as a token tree (None: a chain)
 
 
 class SpeculativeEvent(AuditEvent, frozen=True, kw_only=True):

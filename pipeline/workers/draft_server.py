@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline.decoding.adaptive import K_LIMIT
 from pipeline.decoding.controls import vocabulary_problem
-from pipeline.decoding.drafters import Drafter, DraftSource
+from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
 from pipeline.workers.reporting import LaneReporter, step_failed
 
@@ -77,17 +77,21 @@ class DraftServer:
             if len(msg.context) != active.seen:
                 active.drafter.accept(msg.context)
                 active.seen = len(msg.context)
-            proposal = active.drafter.propose(msg.context, msg.k) if msg.k else None
+            proposal = active.drafter.propose(msg.context, msg.k, msg.tree) if msg.k else None
         except Exception as exc:
             self.active.pop(msg.request_id, None)
             return step_failed(self.lane, msg, "draft_failed", f"{msg.drafter} drafter raised {exc!r}")
-        tokens = [] if proposal is None else proposal.tokens[: msg.k]
-        probs = None if proposal is None or proposal.probs is None else proposal.probs[: len(tokens)]
+        proposal = proposal or EMPTY
+        tokens = proposal.tokens[: msg.k]
+        probs = None if proposal.probs is None else proposal.probs[: len(tokens)]
+        # A tree's first k nodes are a tree too: parents come before their children.
+        parents = None if proposal.parents is None else proposal.parents[: msg.k]
+        shares = None if proposal.shares is None else proposal.shares[: msg.k]
         active.reply = Drafted(
             request_id=msg.request_id, step=msg.step, trace=msg.trace, tokens=tokens,
             probs=None if probs is None else Rows.of(np.asarray(probs)),
-            drafter=(proposal.drafter if proposal else "") or msg.drafter,
-            seconds=time.perf_counter() - start,
+            drafter=proposal.drafter or msg.drafter, seconds=time.perf_counter() - start,
+            parents=parents, shares=shares,
         )  # fmt: skip
         self.lane.state.drafted += len(tokens)
         return active.reply

@@ -21,7 +21,9 @@ import numpy as np
 
 from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.target import TargetState
+from pipeline.decoding.tree import check, rows_parents
 from pipeline.model import Runtime, backend_key
+from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.protocol.messages import BadMessage, Close, Open, Opened, StepFailed, Verified, Verify
 from pipeline.workers.reporting import LaneReporter, step_failed
@@ -57,6 +59,7 @@ class Verifier:
     def __init__(self, model: Runtime, lane: LaneReporter, prefill_chunk: int = 128) -> None:
         self.model, self.lane = model, lane
         self.backend = backend_key(model)
+        self.row_seconds = row_seconds(model)  # the controllers' t(rows), sent with every Opened
         self.prefill_chunk = prefill_chunk or model.cfg.context_length  # 0: a whole prompt per forward
         self.requests: dict[str, Request] = {}
         self.prefilling: dict[str, Prefill] = {}  # oldest first: chunks are fed in arrival order
@@ -117,6 +120,7 @@ class Verifier:
         reply = Opened(
             request_id=msg.request_id, step=msg.step, trace=msg.trace, token=token, u=u,
             draws=target.draws, seconds=(time.time_ns() - job.started_ns) / 1e9, backend=self.backend,
+            row_seconds=self.row_seconds,
         )  # fmt: skip
         self.requests[msg.request_id] = Request(target, msg.step, reply)
         self.lane.state.runs += msg.sample
@@ -146,8 +150,12 @@ class Verifier:
                 f"step {msg.step} at position {msg.position}, but this lane is at step {request.step}, "
                 f"position {request.target.cache.length}",
             )  # fmt: skip
-        if (problem := self.check_tokens([msg.pending, *msg.drafts])) is not None:
+        if (
+            problem := self.check_tokens([msg.pending, *msg.drafts]) or check(msg.drafts, msg.parents)
+        ) is not None:
             return step_failed(self.lane, msg, "bad_request", problem)
+        if msg.parents is not None and msg.draft_probs is not None:
+            return step_failed(self.lane, msg, "bad_request", "sampled drafts come as a chain, not a tree")
         if msg.position + 1 + len(msg.drafts) > self.model.cfg.context_length:
             return step_failed(
                 self.lane,
@@ -175,8 +183,15 @@ class Verifier:
         if not batch and not chunks:
             return []
         start, start_ns = time.perf_counter(), time.time_ns()
-        work = [(request.target.cache, [msg.pending, *msg.drafts]) for msg, request in batch]
-        work += [(job.target.cache, chunk) for job, chunk in chunks]
+        work = [
+            (
+                request.target.cache,
+                [msg.pending, *msg.drafts],
+                None if msg.parents is None else rows_parents(msg.parents),
+            )
+            for msg, request in batch
+        ]
+        work += [(job.target.cache, chunk, None) for job, chunk in chunks]
         try:
             all_logits = self.model.forward_batch(work)
         except Exception as exc:
@@ -204,13 +219,14 @@ class Verifier:
         replies: list[Verified] = []
         rows = sum(1 + len(msg.drafts) for msg, _ in batch)
         for (msg, request), logits in zip(batch, all_logits, strict=True):
-            verdict = request.target.conclude(logits, msg.drafts, request.probs, pending=msg.pending)
+            target = request.target
+            verdict = target.conclude(logits, msg.drafts, request.probs, msg.parents, pending=msg.pending)
             request.step = msg.step
             request.reply = Verified(
                 request_id=msg.request_id, step=msg.step, trace=msg.trace,
                 tokens=verdict.tokens, accepted=verdict.accepted, decisions=verdict.decisions,
                 final_u=verdict.final_u, draws=request.target.draws, batch_size=len(batch),
-                seconds=time.perf_counter() - start, backend=self.backend,
+                seconds=time.perf_counter() - start, backend=self.backend, path=verdict.path,
             )  # fmt: skip
             replies.append(request.reply)
             self.trace_step(msg, request.reply, start_ns, rows)

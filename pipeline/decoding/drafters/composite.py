@@ -1,10 +1,12 @@
-"""Try drafters in order, cheapest first; the first with a proposal wins the step."""
+"""Try drafters in order, cheapest first; the first with a proposal wins the step. Asked for a
+tree, the deterministic drafters' candidates are merged into one tree instead (each drafter
+with candidates weighing the same), and a sampling drafter is asked only when they have none."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
+from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal, tree_proposal
 from pipeline.decoding.sampling import SamplingParams
 
 
@@ -12,8 +14,14 @@ class CompositeDrafter:
     def __init__(self, name: str, drafters: list[Drafter]) -> None:
         self.name, self.drafters = name, drafters
 
-    def propose(self, context: Sequence[int], k: int) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+        if tree and k > 0:
+            found = [c for d in self.drafters if hasattr(d, "candidates") and (c := d.candidates(context, k))]
+            if found:
+                return tree_proposal(self.name, [(p, w / len(found)) for c in found for p, w in c], k)
         for drafter in self.drafters:
+            if tree and hasattr(drafter, "candidates"):
+                continue  # asked above, with nothing to offer
             proposal = drafter.propose(context, k)
             if proposal.tokens:
                 return proposal

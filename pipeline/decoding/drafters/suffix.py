@@ -10,11 +10,15 @@ the least recently used n-grams are evicted past `max_entries`.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
-from pipeline.decoding.drafters import EMPTY, Proposal
+from pipeline.decoding.drafters import EMPTY, Candidates, Proposal, tree_proposal
 from pipeline.decoding.sampling import SamplingParams
+
+BRANCHES = 3  # continuations a tree follows from one node, most frequent first
+BRANCH_SHARE = 0.1  # the least share of a node's continuations a branch needs
 
 
 class SuffixTable:
@@ -40,14 +44,46 @@ class SuffixTable:
         while len(self._next) > self.max_entries:
             self._next.popitem(last=False)
 
-    def continuation(self, context: Sequence[int]) -> int | None:
-        """The most frequent next token after the longest known suffix of `context`."""
+    def next_counts(self, context: Sequence[int]) -> Counter[int] | None:
+        """What followed the longest known suffix of `context`, with counts."""
         for n in range(min(self.max_n, len(context)), 0, -1):
             counts = self._next.get(tuple(context[len(context) - n :]))
             if counts:
-                token, count = counts.most_common(1)[0]
-                return token if count / counts.total() >= self.min_share else None
+                return counts
         return None
+
+    def continuation(self, context: Sequence[int]) -> int | None:
+        """The most frequent next token after the longest known suffix of `context`."""
+        counts = self.next_counts(context)
+        if not counts:
+            return None
+        token, count = counts.most_common(1)[0]
+        return token if count / counts.total() >= self.min_share else None
+
+    def candidates(self, context: Sequence[int], k: int, max_nodes: int) -> Candidates:
+        """The table's likeliest continuations, up to k tokens, expanded best first by the
+        product of shares (branches of at least BRANCH_SHARE) over at most `max_nodes` nodes.
+        Each expanded node leaves as a candidate the share of its mass no branch took, so the
+        candidates' weights are the table's path probabilities and sum to 1."""
+        out: Candidates = []
+        frontier: list[tuple[float, int, list[int]]] = [(-1.0, 0, [])]
+        counter = expanded = 0
+        while frontier:
+            neg_prob, _, path = heapq.heappop(frontier)
+            counts = self.next_counts([*context[-self.max_n :], *path]) if len(path) < k else None
+            taken = 0.0
+            if counts and expanded < max_nodes:
+                total = counts.total()
+                for token, count in counts.most_common(BRANCHES):
+                    if count / total < BRANCH_SHARE or (not path and count / total < self.min_share / 2):
+                        break
+                    counter += 1
+                    expanded += 1
+                    taken += count / total
+                    heapq.heappush(frontier, (neg_prob * count / total, counter, [*path, token]))
+            if path and 1.0 - taken > 1e-9:
+                out.append((path, -neg_prob * (1.0 - taken)))
+        return out
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
         walk = list(context[-self.max_n :])
@@ -68,11 +104,19 @@ class SuffixDrafter:
         self.own.add(prompt)
         self._seen = len(prompt)
 
-    def propose(self, context: Sequence[int], k: int) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
         if k <= 0:
             return EMPTY
+        if tree:
+            return tree_proposal(self.name, self.candidates(context, k), k)
         tokens = self.own.draft(context, k) or self.table.draft(context, k)
         return Proposal(tokens, None, self.name) if tokens else EMPTY
+
+    def candidates(self, context: Sequence[int], k: int) -> Candidates:
+        """The request's own table and the shared one, each weighing half."""
+        both = [self.own.candidates(context, k, k), self.table.candidates(context, k, k)]
+        found = [c for c in both if c]
+        return [(path, w / len(found)) for c in found for path, w in c]
 
     def accept(self, context: Sequence[int]) -> None:
         # Index only the newly accepted tokens, with left context for every n-gram size.

@@ -1,0 +1,60 @@
+"""Drafts the grammar gives for free: the tokens it forces next come first in every proposal.
+
+JSON is full of them (after `{"name` the schema may force `":`), and the target accepts a forced
+token whenever it would produce the same tokenization of those bytes, which it nearly always does.
+The forced tokens are a chain from the root; the drafter's own proposal (chain or tree) hangs below
+the last of them. A deterministic drafter's rows are one-hot anyway; in front of a sampling drafter
+the forced rows are one-hot too, so the acceptance rule stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pipeline.decoding.drafters import EMPTY, Drafter, Proposal
+from pipeline.decoding.grammar.matcher import GrammarMatcher
+from pipeline.decoding.grammar.rows import Constraint
+from pipeline.decoding.tree import chain
+
+
+def after_forced(forced: list[int], rest: Proposal) -> Proposal:
+    """`rest` (proposed for the context plus `forced`) hung below the chain of forced tokens."""
+    tokens, n = [*forced, *rest.tokens], len(forced)
+    parents = None
+    if rest.parents is not None:
+        parents = [*chain(n), *(n - 1 if parent < 0 else parent + n for parent in rest.parents)]
+    shares = None if rest.shares is None else [*[1.0] * n, *rest.shares]
+    if rest.probs is None:
+        return Proposal(tokens, None, rest.drafter or "grammar", parents, shares)
+    one_hot = np.zeros((n, rest.probs.shape[1]), rest.probs.dtype)
+    one_hot[np.arange(n), forced] = 1.0
+    probs = np.concatenate([one_hot, rest.probs[: len(rest.tokens)]])
+    return Proposal(tokens, probs, rest.drafter, parents, shares)
+
+
+class ForcedFirst:
+    """`inner` drafts after the forced tokens. The matcher must stand after the accepted context
+    when `propose` is called (the verifier's own does: `Constraint`)."""
+
+    def __init__(self, inner: Drafter, matcher: GrammarMatcher) -> None:
+        self.inner, self.matcher, self.name = inner, matcher, inner.name
+
+    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+        forced = self.matcher.forced_tokens()[: max(k, 0)]
+        if not forced:
+            return self.inner.propose(context, k, tree)
+        rest = self.inner.propose([*context, *forced], k - len(forced), tree) if k > len(forced) else EMPTY
+        return after_forced(forced, rest)
+
+    def accept(self, context: Sequence[int]) -> None:
+        self.inner.accept(context)
+
+    def finish(self, context: Sequence[int]) -> None:
+        self.inner.finish(context)
+
+
+def forced_first(drafter: Drafter, grammar: Constraint | None) -> Drafter:
+    """`drafter` with the grammar's forced tokens ahead of its proposals (itself without a grammar)."""
+    return drafter if grammar is None else ForcedFirst(drafter, grammar.matcher)

@@ -1,0 +1,103 @@
+"""The cost-model controller (`decoding.adaptive`): what it verifies follows the t(rows) curve,
+the drafter's shares and what the target kept; neighbours in a batch cap it."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.decoding.adaptive import Controller, DepthAcceptance, RowCosts, node_probabilities
+from pipeline.decoding.tree import chain, offered
+
+FLAT = [0.010] * 8 + [0.010 + 0.002 * r for r in range(1, 26)]  # t(rows) flat to 8 rows, then rising
+GENTLE = [0.010 * (1 + 0.05 * r) for r in range(33)]  # each row costs 5% of a forward
+STEEP = [0.010 * r for r in range(1, 34)]  # every row costs a full forward
+
+
+def controller(curve: list[float], **kwargs) -> Controller:
+    c = Controller(**kwargs)
+    c.costs.calibrate(curve)
+    return c
+
+
+def test_a_flat_curve_verifies_the_confident_chain_and_a_steep_one_decodes_plainly():
+    parents, shares = chain(7), [1.0] * 7  # 8 rows: the flat part
+    assert controller(FLAT).cut(parents, shares) == list(range(7))
+    assert controller(STEEP).cut(parents, shares) == []
+
+
+def test_what_the_target_keeps_moves_the_cut():
+    parents, shares = chain(12), [1.0] * 12
+    c = controller(GENTLE)
+    for _ in range(30):  # the target keeps two levels, never the third
+        c.observe(13, 0.012, 0.013, offered(parents, shares, [0, 1]), accepted=2)
+    assert c.cut(parents, shares) == [0, 1]
+    for _ in range(40):
+        c.observe(13, 0.012, 0.013, offered(parents, shares, list(range(12))), accepted=12)
+    assert len(c.cut(parents, shares)) >= 8
+
+
+def test_speculation_turns_off_and_probes_back():
+    parents, shares = chain(6), [1.0] * 6
+    c = controller(GENTLE)
+    for _ in range(30):
+        c.observe(7, 0.010, 0.011, [1.0], accepted=0)
+    cuts = [len(c.cut(parents, shares)) for _ in range(60)]
+    assert cuts.count(0) >= 50 and any(cuts)  # mostly plain, with probes
+
+
+def test_a_tree_keeps_the_likely_branches_first():
+    # Two branches under the root: 0 (share 0.8) -> 1, and 2 (share 0.2) -> 3.
+    parents, shares = [-1, 0, -1, 2], [0.8, 1.0, 0.2, 1.0]
+    c = controller([0.010, 0.010, 0.010, 0.030, 0.040])  # the fourth row costs 3x
+    assert c.cut(parents, shares) == [0, 1]
+
+
+def test_neighbours_cap_the_rows_to_the_flat_part_of_the_curve():
+    parents, shares = chain(16), [1.0] * 16
+    c = controller(FLAT)
+    for _ in range(30):
+        c.observe(17, 0.012, 0.013, offered(parents, shares, list(range(16))), accepted=16)
+    alone = c.cut(parents, shares)
+    crowded = c.cut(parents, shares, neighbours=5)  # 6 requests: 8 rows stay within 5% of t(6)
+    assert len(alone) > len(crowded)
+    assert 6 + len(crowded) <= c.costs.row_budget(6, 64)
+    assert c.costs.ratio(6 + len(crowded)) <= c.costs.ratio(6) * 1.05
+
+
+def test_a_sampling_drafter_is_asked_for_the_chain_that_pays():
+    cheap, dear = controller(FLAT), controller(FLAT, draft_per_token=2.0)
+    assert cheap.budget(sampling_drafter=True) > dear.budget(sampling_drafter=True)
+    assert controller(FLAT).budget(sampling_drafter=False) == 16
+
+
+@given(
+    st.lists(st.tuples(st.integers(-1, 30), st.floats(0.01, 1.0)), min_size=1, max_size=30),
+    st.lists(st.floats(0.0, 0.05), min_size=33, max_size=33),
+    st.integers(0, 8),
+)
+def test_every_cut_is_a_subtree(nodes, curve, neighbours):
+    parents = [p if p < i else i - 1 for i, (p, _) in enumerate(nodes)]
+    shares = [s for _, s in nodes]
+    c = Controller()
+    c.costs.calibrate([0.01, *sorted(curve)[1:]])
+    kept = c.cut(parents, shares, neighbours)
+    assert kept == sorted(kept)
+    assert all(parents[i] < 0 or parents[i] in kept for i in kept)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20))
+def test_node_probabilities_never_grow_down_a_path(shares):
+    parents = chain(len(shares))
+    probs = node_probabilities(parents, shares, DepthAcceptance())
+    assert all(0.0 <= b <= a <= 1.0 for a, b in zip([1.0, *probs], probs, strict=False))
+
+
+def test_an_uncalibrated_curve_learns_from_steps_a_calibrated_one_stays():
+    learning, fixed = RowCosts(), RowCosts()
+    fixed.calibrate([0.01, 0.01, 0.01])
+    for rows in (1, 2, 3):
+        learning.observe(rows, 0.01 * rows)
+        fixed.observe(rows, 0.01 * rows)
+    assert learning.ratio(3) == 3.0
+    assert fixed.ratio(3) == 1.0
