@@ -53,6 +53,31 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object at the end instead of streaming"
     )
+    _add_control_flags(p)
+
+
+def _add_control_flags(p: argparse.ArgumentParser) -> None:
+    """The sampling controls, as the OpenAI API and vLLM name them (`decoding.controls`)."""
+    p.add_argument(
+        "--min-p", type=float, default=0.0,
+        help="keep only tokens at least this fraction as likely as the most likely one (0-1; 0 disables)",
+    )  # fmt: skip
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0,
+        help="subtract this from the logit of every token already generated (-2 to 2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0,
+        help="subtract this times the number of times a token was generated (-2 to 2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0,
+        help="divide positive (multiply negative) logits of tokens in the prompt or output (> 0; 1 disables)",
+    )  # fmt: skip
+    p.add_argument(
+        "--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+        help="add BIAS (-100 to 100; -100 bans the token) to token id TOKEN's logit (repeatable)",
+    )  # fmt: skip
 
 
 def _add_backend_flag(p: argparse.ArgumentParser) -> None:
@@ -199,8 +224,25 @@ def _sampling(args: argparse.Namespace, response_format: str | None = None):
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=logit_bias(args.logit_bias),
         response_format=response_format,
     )
+
+
+def logit_bias(pairs: list[str]) -> dict[int, float]:
+    """--logit-bias TOKEN=BIAS flags as a dict (a token named twice keeps its last bias)."""
+    bias: dict[int, float] = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:  # no "=", or either side not a number
+            raise ValueError(f"--logit-bias takes TOKEN=BIAS (an id and a number), got {pair!r}") from None
+    return bias
 
 
 def response_format_arg(value: str | None) -> str | None:

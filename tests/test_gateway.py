@@ -429,6 +429,48 @@ def test_error_statuses_through_the_openai_client(pipeline, client, model):
     assert pipeline.status().active_requests == 0
 
 
+@pytest.mark.slow
+def test_sampling_controls_and_token_prompts_through_the_openai_client_equal_generate(
+    client, model, served_model
+):
+    """OpenAI's penalties and logit_bias, vLLM's repetition_penalty and min_p (extra_body), a prompt
+    given as token ids: the pipeline, speculating, serves what in-process plain decoding gives."""
+    ids = prompt_tokens(served_model.tokenizer, "def reverse(text):\n    ", chat=False)
+    none = make_draft_source("none", served_model, None)
+    unbiased = SamplingParams(
+        max_tokens=16, presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.2
+    )
+    first = decode(served_model, ids, unbiased, none, k=0).tokens[0]  # banned: the output must change
+    greedy = msgspec.structs.replace(unbiased, logit_bias={first: -100, 13: 2.0})
+    ref = decode(served_model, ids, greedy, none, k=0)
+    response = client.completions.create(
+        model=model, prompt=ids, max_tokens=16, temperature=0, presence_penalty=0.6, frequency_penalty=0.4,
+        logit_bias={str(first): -100, "13": 2.0},
+        extra_body={"repetition_penalty": 1.2, "speculation": {"drafter": "ngram", "k": 4}},
+    )  # fmt: skip
+    assert response.choices[0].text == ref.text and ref.tokens[0] != first
+    assert response.usage is not None and response.usage.prompt_tokens == len(ids)
+
+    chat = prompt_tokens(served_model.tokenizer, PROMPTS[2], chat=True)
+    seeded = SamplingParams(
+        temperature=0.8, top_p=0.95, seed=7, max_tokens=24, min_p=0.05, presence_penalty=-0.5,
+        frequency_penalty=1.0, repetition_penalty=0.9,
+    )  # fmt: skip
+    want = decode(served_model, chat, seeded, none, k=0)
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=24, temperature=0.8,
+        top_p=0.95, seed=7, presence_penalty=-0.5, frequency_penalty=1.0, stream=True,
+        extra_body={"min_p": 0.05, "repetition_penalty": 0.9, "speculation": {"drafter": "auto"}},
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="hi", extra_body={"min_p": 1.5})
+    assert bad.value.param == "min_p"
+    with pytest.raises(openai.BadRequestError) as bad:  # the orchestrator knows the vocabulary
+        client.completions.create(model=model, prompt="hi", logit_bias={"10000000": 1})
+    assert bad.value.param == "logit_bias" and "vocabulary" in bad.value.message
+
+
 def _idle(report) -> bool:
     lanes = {lane.name: lane for lane in report.lanes}
     return report.active_requests == 0 and lanes["verify"].active_requests == 0

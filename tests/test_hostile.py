@@ -761,6 +761,8 @@ SMALL_OR_HOSTILE = st.one_of(
     st.integers(0, 6), st.integers(2**31, 2**70), st.integers(-(2**70), -1), JSON_VALUES
 )
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+BIAS_KEY = st.one_of(st.integers(-5, 2**70).map(str), st.text(max_size=4))  # token ids, as OpenAI writes them
+BIAS_VALUE = st.one_of(st.floats(-200, 200), SMALL_OR_HOSTILE)
 COMMON = {
     "model": st.one_of(st.just(MODEL_ID), JSON_VALUES),
     "temperature": st.one_of(st.floats(-10, 10, allow_nan=False), JSON_VALUES), "top_p": JSON_VALUES,
@@ -775,13 +777,21 @@ COMMON = {
                                             "max_iterations": SMALL_OR_HOSTILE}),
         JSON_VALUES,
     ),
-    "logprobs": JSON_VALUES, "logit_bias": JSON_VALUES, "presence_penalty": JSON_VALUES,
+    "logprobs": JSON_VALUES, "presence_penalty": st.one_of(st.floats(-3, 3), JSON_VALUES),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), JSON_VALUES),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), JSON_VALUES),
+    "min_p": st.one_of(st.floats(-1, 2), JSON_VALUES),
+    "logit_bias": st.one_of(st.dictionaries(BIAS_KEY, BIAS_VALUE, max_size=4), JSON_VALUES),
 }  # fmt: skip
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
 CONTENT = st.one_of(st.text(max_size=60), st.lists(TEXT_PART, max_size=3), JSON_VALUES)
 ROLE = st.sampled_from(["user", "system", "assistant", "tool", ""])
 CHAT_MESSAGES = st.lists(st.fixed_dictionaries({"role": ROLE}, optional={"content": CONTENT}), max_size=4)
-PROMPT_FIELD = st.one_of(st.text(max_size=80), st.lists(st.text(max_size=20), max_size=3), JSON_VALUES)
+PROMPT_FIELD = st.one_of(
+    st.text(max_size=80), st.lists(st.text(max_size=20), max_size=3), JSON_VALUES,
+    st.lists(SMALL_OR_HOSTILE, max_size=6),  # token ids, in and out of the vocabulary
+    st.lists(st.lists(st.integers(-3, 60_000), max_size=6), max_size=2),
+)  # fmt: skip
 COMPLETION = st.fixed_dictionaries(
     {"max_tokens": SMALL_OR_HOSTILE},
     optional={

@@ -142,11 +142,24 @@ def test_a_bad_message_is_a_400_naming_its_field(message, param, says):
         assert error.code == "unsupported_parameter"
 
 
-def test_a_prompt_list_must_hold_one_string():
+def test_a_prompt_is_text_or_token_ids_and_a_list_of_prompts_must_hold_one():
     assert submit_of(completion(prompt=["only one"]), False).prompt == "only one"
-    error = rejected(completion(prompt=["a", "b"]), False)
-    assert (error.status, error.param) == (400, "prompt")
-    assert rejected(completion(prompt=[1, 2, 3]), False).param == "prompt"  # token ids: not supported
+    for ids in ([1, 2, 3], [[1, 2, 3]]):
+        submit = submit_of(completion(prompt=ids), False)
+        assert (submit.prompt, submit.prompt_token_ids, submit.chat) == (None, [1, 2, 3], False)
+    for many in (["a", "b"], [[1], [2]], [], [1, "a"], [[]], [[1], "a"]):
+        error = rejected(completion(prompt=many), False)
+        assert (error.status, error.param) == (400, "prompt"), many
+
+
+def test_the_sampling_controls_reach_the_submit():
+    body = chat(
+        presence_penalty=0.5, frequency_penalty=-1.5, logit_bias={"50256": -100, "7": 2.5},
+        min_p=0.05, repetition_penalty=1.2,  # vLLM's extensions (the openai client's extra_body)
+    )  # fmt: skip
+    p = submit_of(body, True).params
+    assert (p.presence_penalty, p.frequency_penalty, p.min_p, p.repetition_penalty) == (0.5, -1.5, 0.05, 1.2)
+    assert p.logit_bias == ((7, 2.5), (50256, -100.0))
 
 
 @pytest.mark.parametrize(
@@ -162,8 +175,14 @@ def test_a_prompt_list_must_hold_one_string():
         ({"stream": "yes"}, "stream"),
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"50256": -101}}, "logit_bias"),
+        ({"logit_bias": {"the": 1}}, "logit_bias"),
+        ({"logit_bias": {str(2**70): 1}}, "logit_bias"),  # a key past any vocabulary (and msgpack's ints)
+        ({"logit_bias": {"50256": "ban"}}, "logit_bias"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true

@@ -4,8 +4,10 @@ the pipeline's chunks and final object in, OpenAI chunks, responses and errors o
 Kept apart from the HTTP server (lanes/gateway.py) so every mapping is testable without
 sockets. Request bodies are decoded by msgspec into typed structs, so a wrong type names
 its field (`param`) in the 400 it earns. Unknown fields are ignored, as OpenAI-compatible
-servers do; known OpenAI features this server lacks (n > 1, logprobs, penalties, tools...)
-are refused by name unless they ask for nothing (n = 1, a zero penalty).
+servers do; known OpenAI features this server lacks (n > 1, logprobs, tools...) are refused by
+name unless they ask for nothing (n = 1, logprobs false). The sampling controls (OpenAI's
+logit_bias, presence and frequency penalties; vLLM's top_k, min_p, repetition_penalty) are
+served, exactly under speculation (`decoding.controls`).
 """
 
 from __future__ import annotations
@@ -89,16 +91,18 @@ class _Request(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # extension (as vLLM): keep generating past end-of-sequence
     speculation: SpeculationOptions | None = None  # extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None  # extension (vLLM)
+    repetition_penalty: float | None = None  # extension (vLLM)
     # OpenAI features this server does not have: accepted only when they ask for nothing.
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
-    prompt: str | list[str]
+    prompt: str | list[str | int | list[int]]  # text, [text], token ids or [token ids] (one prompt)
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -122,9 +126,6 @@ def _neutral(req: CompletionRequest | ChatRequest) -> None:
         "n": req.n not in (None, 1),
         "logprobs": bool(req.logprobs),
         "top_logprobs": bool(req.top_logprobs),
-        "logit_bias": bool(req.logit_bias),
-        "presence_penalty": bool(req.presence_penalty),
-        "frequency_penalty": bool(req.frequency_penalty),
     }
     if isinstance(req, CompletionRequest):
         asks |= {"best_of": req.best_of not in (None, 1), "echo": bool(req.echo), "suffix": bool(req.suffix)}
@@ -163,12 +164,29 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             stop=stop,
             ignore_eos=bool(req.ignore_eos),
+            **_controls(req),
         )
     except ValueError as exc:  # SamplingParams names the setting first ("top_p must be ...")
         name = str(exc).split()[0]
         chat_name = "max_completion_tokens" if chat_limit is not None else "max_tokens"
         param = {"stop": "stop", "max_tokens": chat_name}
         raise ApiError(400, str(exc), param=param.get(name, name)) from None
+
+
+def _controls(req: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    """The sampling controls a request names (SamplingParams checks their ranges); logit_bias keys
+    are token ids written as strings, as OpenAI's are."""
+    named = {
+        "min_p": req.min_p, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
+    }  # fmt: skip
+    controls: dict[str, Any] = {name: value for name, value in named.items() if value is not None}
+    if req.logit_bias:
+        try:
+            controls["logit_bias"] = {int(token): bias for token, bias in req.logit_bias.items()}
+        except ValueError:
+            raise ApiError(400, "logit_bias keys must be token ids, as strings", param="logit_bias") from None
+    return controls
 
 
 def _speculation(options: SpeculationOptions | None) -> dict[str, Any]:
@@ -190,14 +208,30 @@ def to_submit(req: CompletionRequest | ChatRequest, model_id: str) -> Submit:
     params, speculation = sampling_params(req), _speculation(req.speculation)
     if isinstance(req, ChatRequest):
         return submit_message(messages=chat_messages(req.messages), params=params, **speculation)
-    prompt = req.prompt
+    prompt = _one_prompt(req.prompt)
     if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ApiError(
-                400, "give one prompt per request (a list must hold exactly one string)", param="prompt"
-            )
-        prompt = prompt[0]
+        return submit_message(prompt_token_ids=prompt, params=params, **speculation)
     return submit_message(prompt, params=params, **speculation)
+
+
+def _one_prompt(prompt: str | list[str | int | list[int]]) -> str | list[int]:
+    """A completion's one prompt: text, or token ids (a flat list of ids). A list of prompts (of
+    strings, or of id lists) must hold exactly one: this server answers one prompt per request."""
+    if isinstance(prompt, str):
+        return prompt
+    kinds = {type(item) for item in prompt}
+    if kinds == {int}:
+        return [int(item) for item in prompt]  # type: ignore[arg-type]
+    if kinds not in ({str}, {list}):
+        message = "prompt must be a string, a list of token ids, or a list of one of those"
+        raise ApiError(400, message, param="prompt")
+    if len(prompt) != 1:
+        message = "give one prompt per request (a list must hold exactly one prompt)"
+        raise ApiError(400, message, param="prompt")
+    only = prompt[0]
+    if isinstance(only, list) and not only:
+        raise ApiError(400, "the prompt's token ids must not be empty", param="prompt")
+    return only  # type: ignore[return-value]
 
 
 # --- responses ------------------------------------------------------------------------

@@ -231,6 +231,7 @@ class Gateway:
             submitted = await self.client.request(submit)
         except PipelineError as exc:
             param = "messages" if isinstance(req, ChatRequest) else "prompt"
+            param = "logit_bias" if exc.message.startswith("logit_bias") else param
             raise pipeline_error(exc.kind, exc.message, param) from None
         generation = Generation(self, submitted.request_id)
         fmt = Formatter(chat, submitted.request_id, self.model, int(time.time()), submitted.prompt_tokens)

@@ -9,7 +9,8 @@ What is checked, for a request's `RequestOpened`, its `StepEvent`s and its summa
 - q(x) of every decision, recomputed by one forward of the target over the prompt and
   the emitted tokens (the rows the verifier saw are all on that path: a rejected
   draft's row is conditioned only on kept tokens), within a tolerance because a batched
-  forward and a prefill differ by round-off (~1e-5);
+  forward and a prefill differ by round-off (~1e-5); the logit bias and penalties are
+  applied to each row with the history it conditions on (`controls`), as the verifier did;
 - p(x): exactly 1 for deterministic drafters (n-gram, suffix, and any drafter under
   greedy); for the sampling `model` drafter it is recomputed with the draft model the
   same way, when that model is available (otherwise the step is reported unchecked);
@@ -45,6 +46,7 @@ import msgspec
 import numpy as np
 
 from pipeline.decoding.acceptance import Decision, residual
+from pipeline.decoding.controls import chain_paths, shaped_logits, uses_context
 from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.sampling import SamplingParams, target_probs
@@ -296,6 +298,7 @@ class Verifier:
         self.vocab = target.cfg.vocab_size
         sequence = [*self.opened.prompt_tokens, *(t for s in record.steps for t in s.emitted)]
         sequence = [t if 0 <= t < self.vocab else 0 for t in sequence]  # bad ids stop `run` at their step
+        self.sequence = sequence
         self.target_rows = RowSource(target, sequence)
         self.draft_rows = (
             None if draft is None else self.target_rows if draft is target else RowSource(draft, sequence)
@@ -338,14 +341,15 @@ class Verifier:
         """q and p against recomputed rows, the rule on recorded numbers, and the final draw."""
         params, decisions = self.params, step.decisions
         accepted = verdict.accepted
-        logits = self.target_rows.rows(position, position + accepted)
+        logits = self.shaped(self.target_rows.rows(position, position + accepted), position, step)
         q_rows = target_probs(logits, params)
         p_rows: np.ndarray | None = None
         if uses_draft_rows(step, params):
             if self.draft_rows is None:
                 verdict.unchecked.append("p(x) and the residual: the draft model is not available")
             else:
-                p_rows = target_probs(self.draft_rows.rows(position, position + accepted), params)
+                draft_logits = self.draft_rows.rows(position, position + accepted)
+                p_rows = target_probs(self.shaped(draft_logits, position, step), params)
         for i, d in enumerate(decisions):
             where = f"position {i} (draft {d.draft_token})"
             if params.greedy:
@@ -373,6 +377,14 @@ class Verifier:
             if problem is not None:
                 verdict.problems.append(f"{where}: {problem}")
         self.check_final(step, logits, q_rows, p_rows, verdict)
+
+    def shaped(self, logits: np.ndarray, position: int, step: StepEvent) -> np.ndarray:
+        """A step's rows with the logit bias and penalties: the row at `position` follows the
+        sequence up to it, each later row also the kept drafts before it."""
+        if not uses_context(self.params):
+            return logits
+        context, kept = self.sequence[: position + 1], step.emitted[: len(logits) - 1]
+        return shaped_logits(logits, self.params, context, len(self.opened.prompt_tokens), chain_paths(kept))
 
     def check_final(
         self,

@@ -24,14 +24,7 @@ import msgspec
 import numpy as np
 
 from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
-from pipeline.decoding.sampling import TargetRows, sample_at
-
-
-class ProbabilityRows(TargetRows):
-    """Rows given as probabilities already (tests, replays): sampled as `sample_at` samples."""
-
-    def __init__(self, probs: np.ndarray) -> None:
-        self.logits, self.best, self._probs = probs, None, dict(enumerate(probs))
+from pipeline.decoding.sampling import ProbabilityRows, TargetRows, sample_at
 
 
 class Decision(msgspec.Struct, frozen=True, array_like=True):

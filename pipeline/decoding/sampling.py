@@ -9,6 +9,7 @@ number that can be recorded and replayed.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import msgspec
 import numpy as np
@@ -17,10 +18,16 @@ from pipeline.decoding.grammar.format import parse_response_format
 from pipeline.decoding.noise import SAMPLE, uniform
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]; -100 bans the token (`controls`)
+TOKEN_ID_LIMIT = 2**31  # any vocabulary is far smaller; the bound keeps a token id in 32 bits
+PENALTY_LIMIT = 2.0  # OpenAI's (and vLLM's) range for presence and frequency penalties: [-2, 2]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How a request chooses tokens and when it stops. temperature 0 means greedy."""
+    """How a request chooses tokens and when it stops. temperature 0 means greedy.
+
+    The controls that read the context (logit_bias, the three penalties) are applied by
+    `controls.shaped_logits`; min_p, like temperature, top-k and top-p, by `target_probs`."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -29,11 +36,25 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one (vLLM)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far (OpenAI)
+    repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of seen tokens (vLLM)
+    # token id -> added to its logit, in [-100, 100] (OpenAI). Given as a mapping or as pairs, kept
+    # as (token, bias) pairs sorted by token: a dict would make the params unhashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Structured output: `response_format` as canonical JSON text (`grammar.format`), None for free text.
     # Text, not a compiled grammar, because this struct crosses the wire; the verifier compiles it.
     response_format: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        bias = self.logit_bias
+        pairs = sorted((int(t), float(b)) for t, b in (bias.items() if isinstance(bias, Mapping) else bias))
+        msgspec.structs.force_setattr(self, "logit_bias", tuple(pairs))
+        self._check_controls()
+
+    def _check_sampling(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -54,6 +75,24 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if self.ignore_eos:  # past the grammar's end only EOS is allowed: it would repeat forever
                 raise ValueError("response_format ends the output where its grammar ends: drop ignore_eos")
 
+    def _check_controls(self) -> None:
+        """The ranges vLLM checks (and OpenAI documents), with its messages."""
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        tokens = [token for token, _ in self.logit_bias]
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("logit_bias names a token id twice")
+        for token, bias in self.logit_bias:
+            if not 0 <= token < TOKEN_ID_LIMIT:
+                raise ValueError(f"logit_bias token ids must be in [0, 2**31), got {token}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -68,7 +107,9 @@ def request_seed(seed: int | None) -> int:
 
 
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution a token is drawn from: temperature, then top-k, then top-p.
+    """The distribution a token is drawn from: temperature, then min-p, then top-k, then top-p
+    (vLLM's order). `logits` are the model's, or `controls.shaped_logits` of them when the
+    request uses logit_bias or penalties.
 
     Works on one row (vocab,) or a block of rows (n, vocab); returns float64 rows
     that sum to 1. Greedy gives the one-hot of the first argmax.
@@ -79,6 +120,8 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
         return probs
     scaled = logits / params.temperature
+    if params.min_p > 0.0:
+        scaled = _min_p(scaled, params.min_p)
     if 0 < params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)
@@ -87,6 +130,13 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1.0:
         probs = _top_p(probs, scaled, params.top_p)
     return probs
+
+
+def _min_p(scaled: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop the tokens less than min_p times as likely as the most likely one (after temperature).
+    The ratio is exp(logit - max logit), so the most likely token (ratio 1) always stays."""
+    ratio = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    return np.where(ratio < min_p, -np.inf, scaled)
 
 
 def _top_p(probs: np.ndarray, scaled: np.ndarray, top_p: float) -> np.ndarray:
@@ -153,3 +203,11 @@ class TargetRows:
         if self.best is not None:
             return float(token == int(self.best[row]))
         return float(self.probs(row)[token])
+
+
+class ProbabilityRows(TargetRows):
+    """Rows given as probabilities already (shaped by the controls, tests): sampled as
+    `sample_at` samples."""
+
+    def __init__(self, probs: np.ndarray) -> None:
+        self.logits, self.best, self._probs = probs, None, dict(enumerate(probs))

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pipeline.decoding.acceptance import Verdict
+from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
 from pipeline.decoding.grammar.drafting import forced_first
 from pipeline.decoding.result import Result
@@ -47,6 +48,8 @@ def decode(
         k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations, tree=tree
     )
     check_prompt(prompt_tokens, model.cfg.context_length)
+    if (problem := vocabulary_problem(params, model.cfg.vocab_size)) is not None:
+        raise ValueError(problem)
     assert model.tokenizer is not None
     seed = request_seed(params.seed)
     session = Session(model.tokenizer, model.cfg.context_length, prompt_tokens, params, speculation)

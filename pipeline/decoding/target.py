@@ -1,5 +1,6 @@
-"""One request's state on the side that holds the target model: its KV cache and its seed
-(every number it uses is keyed by the seed and the position it decides: `noise`)."""
+"""One request's state on the side that holds the target model: its KV cache, its seed (every
+number it uses is keyed by the seed and the position it decides: `noise`) and the tokens its
+cache holds, which the context-reading controls (`controls`) condition on."""
 
 from __future__ import annotations
 
@@ -8,39 +9,71 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.decoding.acceptance import Verdict, verify, verify_tree
+from pipeline.decoding.controls import row_paths, shaped_probs, uses_context
 from pipeline.decoding.drafters import Proposal
 from pipeline.decoding.grammar.rows import constraint_for
-from pipeline.decoding.sampling import SamplingParams, TargetRows, target_probs
+from pipeline.decoding.sampling import ProbabilityRows, SamplingParams, TargetRows, target_probs
 from pipeline.decoding.tree import chain, rows_parents
 from pipeline.model import Runtime
 
 
 class TargetState:
     """`draws` counts the numbers used so far (for the audit trail); nothing depends on it, so a
-    re-primed verifier starts wherever the accepted prefix ends."""
+    re-primed verifier starts wherever the accepted prefix ends.
+
+    `context` mirrors the KV cache: the prompt, then the output except its newest (pending) token,
+    which each step feeds. `prompt_length` says where the prompt ends in it; None: everything
+    prefilled before the first token is prompt (a re-prime names it, as its prefix holds output)."""
 
     def __init__(
-        self, model: Runtime, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int
-    ) -> None:
+        self, model: Runtime, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int,
+        prompt_length: int | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.params, self.seed, self.draws = model, params, seed, draws
         self.cache = model.new_cache(capacity=capacity)
+        self.context: list[int] = []
+        self.prompt_length = prompt_length
         # Structured output: the grammar's masks on every row this state samples from (`grammar.rows`).
         self.grammar = constraint_for(model, params.response_format)
 
     def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
         """Feed `tokens`; sample the next token from the last position if asked."""
         logits = self.model.forward(self.cache, tokens, all_logits=False)
+        self.prefilled(tokens)
         return self.first_token(logits[0]) if sample else (None, None)
+
+    def prefilled(self, tokens: Sequence[int]) -> None:
+        """The cache now holds `tokens` (a caller that feeds a prompt in chunks says so once it is in)."""
+        self.context = list(tokens)
+        if self.prompt_length is None:
+            self.prompt_length = len(self.context)
 
     def first_token(self, last_logits: np.ndarray) -> tuple[int, float | None]:
         """The token after the prompt, from the prompt's last logits row (fed whole or in chunks)."""
         if self.grammar is not None:
             last_logits = self.grammar.next_row(last_logits)
-        token, u = TargetRows(last_logits[None], self.params).sample(0, self.seed, self.cache.length)
+        token, u = self.rows(last_logits[None], [], [[]]).sample(0, self.seed, self.cache.length)
         self.draws += u is not None
         if self.grammar is not None:
             self.grammar.commit([token])
         return token, u
+
+    def distributions(
+        self, logits: np.ndarray, fed: Sequence[int], paths: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        """The target rows q for `logits`, where row i follows the cached context, then `fed` (the
+        tokens this forward fed before its first row: the pending token), then `paths[i]`."""
+        if not uses_context(self.params):
+            return target_probs(logits, self.params)
+        prompt_length = len(self.context) if self.prompt_length is None else self.prompt_length
+        return shaped_probs(logits, self.params, [*self.context, *fed], prompt_length, paths)
+
+    def rows(self, logits: np.ndarray, fed: Sequence[int], paths: Sequence[Sequence[int]]) -> TargetRows:
+        """`distributions` for the deterministic rule: computed lazily, row by row down the kept
+        path, unless the controls shape them (then all at once, each with its own history)."""
+        if not uses_context(self.params):
+            return TargetRows(logits, self.params)
+        return ProbabilityRows(self.distributions(logits, fed, paths))
 
     def constrain(self, draft: Proposal) -> Proposal:
         """The draft worth a forward: without the nodes the grammar forbids and their descendants
@@ -52,11 +85,11 @@ class TargetState:
         `conclude` (the verify lane batches forwards and calls `conclude` itself)."""
         parents = None if draft.parents is None else rows_parents(draft.parents)
         logits = self.model.forward_batch([(self.cache, [pending, *draft.tokens], parents)])[0]
-        return self.conclude(logits, draft.tokens, draft.probs, draft.parents)
+        return self.conclude(logits, draft.tokens, draft.probs, draft.parents, pending=pending)
 
     def conclude(
         self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None,
-        parents: list[int] | None = None,
+        parents: list[int] | None = None, *, pending: int,
     ) -> Verdict:  # fmt: skip
         """Apply the acceptance rule to a forward over [pending, *drafts] (a chain, or the token
         tree whose node i continues node parents[i], run as `tree.rows_parents(parents)`) and keep
@@ -64,15 +97,18 @@ class TargetState:
         start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
         if self.grammar is not None:
             logits, draft_probs = self.grammar.constrain(logits, drafts, draft_probs, parents)
+        paths = row_paths(drafts, parents)
         if draft_probs is not None:  # sampled drafts: the min(1, q/p) rule on whole rows
-            verdict = verify(drafts, draft_probs, target_probs(logits, self.params), self.seed, start)
+            q = self.distributions(logits, [pending], paths)
+            verdict = verify(drafts, draft_probs, q, self.seed, start)
         else:  # a chain is a tree too: only the rows down the kept path are computed
             shape = chain(len(drafts)) if parents is None else parents
-            verdict = verify_tree(drafts, shape, TargetRows(logits, self.params), self.seed, start)
+            verdict = verify_tree(drafts, shape, self.rows(logits, [pending], paths), self.seed, start)
         if parents is None:
             self.cache.truncate(start + verdict.accepted)
         else:
             self.cache.keep(start - 1, [0, *(node + 1 for node in verdict.path)])
+        self.context += [pending, *verdict.tokens[: verdict.accepted]]
         if self.grammar is not None:
             self.grammar.commit(verdict.tokens)
         # A rejected deterministic draft's number also chose its replacement: count it once.

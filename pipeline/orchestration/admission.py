@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.sampling import request_seed
 from pipeline.decoding.session import PromptError, check_prompt
 from pipeline.decoding.speculation import Speculation, SpeculationError
@@ -18,6 +19,7 @@ from pipeline.protocol.messages import ErrorReply, Submit
 MAX_KEY_CHARS = 256  # idempotency_key, owner ("gateway:<pid>")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # token ids a logit_bias may name (a few hundred cover any practical use)
 
 
 def oversized(msg: Submit) -> str | None:
@@ -30,7 +32,22 @@ def oversized(msg: Submit) -> str | None:
         return f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         return f"each stop string must be at most {MAX_STOP_CHARS} characters"
+    if len(msg.params.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(msg.params.logit_bias)}"
     return None
+
+
+def request_tokens(msg: Submit, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids: given as such, or built from the text or the chat messages.
+    ValueError says why there are none."""
+    if msg.prompt_token_ids is None:
+        return prompt_tokens(tokenizer, msg.prompt, chat=msg.chat, messages=msg.messages)
+    if msg.prompt is not None or msg.messages is not None or msg.chat:
+        raise ValueError("give the prompt as text, chat messages or token ids, not several")
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in msg.prompt_token_ids):
+        raise ValueError(f"a prompt token id is outside the vocabulary [0, {vocab})")
+    return list(msg.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -59,9 +76,11 @@ def admit(
             kind="bad_request", message="the model drafter needs model.draft_path in the configuration"
         )
     try:
-        tokens = prompt_tokens(tokenizer, msg.prompt, chat=msg.chat, messages=msg.messages)
+        tokens = request_tokens(msg, tokenizer)
     except (ValueError, KeyError, TypeError) as exc:
         return ErrorReply(kind="bad_request", message=f"cannot build the prompt: {exc}")
+    if (problem := vocabulary_problem(msg.params, tokenizer.vocab_size)) is not None:
+        return ErrorReply(kind="bad_request", message=problem)
     try:
         check_prompt(tokens, context_length)
     except PromptError as exc:

@@ -307,7 +307,7 @@ class RequestMachine:
             Open(
                 request_id=self.id, step=self.step, tokens=session.context[:-1], params=session.params,
                 seed=self.who.seed, draws=self.draws, sample=False, capacity=session.capacity(),
-                trace=self.who.trace,
+                prompt_length=len(session.prompt_tokens), trace=self.who.trace,
             ),
             now,
         )  # fmt: skip

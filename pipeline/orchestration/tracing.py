@@ -39,6 +39,9 @@ class RequestTracing:
         }  # fmt: skip
         if params.stop:
             attributes["gen_ai.request.stop_sequences"] = list(params.stop)
+        if params.presence_penalty or params.frequency_penalty:  # the GenAI conventions name these two
+            attributes["gen_ai.request.presence_penalty"] = params.presence_penalty
+            attributes["gen_ai.request.frequency_penalty"] = params.frequency_penalty
         root = self.telemetry.start(
             f"{operation} {self.model_id}", msg.trace, attributes, kind=SpanKind.SERVER
         )

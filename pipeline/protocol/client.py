@@ -106,11 +106,12 @@ def submit_message(
     k: int | None = None,
     max_iterations: int | None = None,
     owner: str = "",
+    prompt_token_ids: list[int] | None = None,
 ) -> Submit:
     return Submit(
-        prompt=prompt, messages=messages, chat=chat, params=params or SamplingParams(),
-        drafter=drafter, k=k, max_iterations=max_iterations, owner=owner,
-        idempotency_key=uuid.uuid4().hex,
+        prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids, chat=chat,
+        params=params or SamplingParams(), drafter=drafter, k=k, max_iterations=max_iterations,
+        owner=owner, idempotency_key=uuid.uuid4().hex,
     )  # fmt: skip
 
 

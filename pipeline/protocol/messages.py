@@ -79,7 +79,8 @@ class Work(Message, frozen=True, kw_only=True):
 class Open(Work, frozen=True, kw_only=True):
     """Prefill `tokens` into a fresh KV cache. A new request samples its first token from
     the last position; a re-prime after a verifier restart (`sample=False`) feeds the
-    accepted prefix and fast-forwards the random stream by `draws`."""
+    accepted prefix and fast-forwards the random stream by `draws`. `prompt_length` says where
+    the prompt ends in `tokens` (None: all of them), so penalties tell prompt from output."""
 
     tokens: list[int]
     params: SamplingParams
@@ -87,6 +88,7 @@ class Open(Work, frozen=True, kw_only=True):
     draws: int = 0
     sample: bool = True
     capacity: int = 0
+    prompt_length: int | None = None
 
 
 class Verify(Work, frozen=True, kw_only=True):
@@ -292,8 +294,11 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 
 class Submit(Message, frozen=True, kw_only=True):
+    """A prompt given one of three ways: text (`prompt`), chat `messages`, or token ids."""
+
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None  # the prompt as the model's token ids, used as given
     chat: bool = False
     params: SamplingParams = SamplingParams()
     drafter: str | None = None  # None: the configured default

@@ -15,6 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from pipeline.decoding.adaptive import K_LIMIT
+from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
 from pipeline.workers.reporting import LaneReporter, step_failed
@@ -44,7 +45,7 @@ class DraftServer:
             return f"prompt length {msg.prompt_length} for a context of {len(msg.context)}"
         if any(not 0 <= t < self.vocab_size for t in msg.context):
             return f"token id out of range [0, {self.vocab_size})"
-        return None
+        return vocabulary_problem(msg.params, self.vocab_size)
 
     def draft(self, msg: DraftRequest) -> Drafted | StepFailed:
         if (problem := self.problem(msg)) is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.target import TargetState
 from pipeline.decoding.tree import check, rows_parents
 from pipeline.model import Runtime, backend_key
@@ -69,6 +70,12 @@ class Verifier:
             return f"token id out of range [0, {vocab})"
         return None
 
+    def check_controls(self, msg: Open) -> str | None:
+        """The controls must fit this model, and a re-prime's prompt must lie within its prefix."""
+        if msg.prompt_length is not None and not 0 < msg.prompt_length <= len(msg.tokens):
+            return f"prompt length {msg.prompt_length} for {len(msg.tokens)} tokens"
+        return vocabulary_problem(msg.params, self.model.cfg.vocab_size)
+
     def open(self, msg: Open) -> Opened | StepFailed | None:
         """Validate an Open and queue its prefill; None while it is being fed."""
         known = self.requests.get(msg.request_id)
@@ -82,11 +89,14 @@ class Verifier:
             return step_failed(
                 self.lane, msg, "bad_request", f"{len(msg.tokens)} prompt tokens for a context of {context}"
             )
-        if (problem := self.check_tokens(msg.tokens)) is not None:
+        if (problem := self.check_tokens(msg.tokens) or self.check_controls(msg)) is not None:
             return step_failed(self.lane, msg, "bad_request", problem)
         self.requests.pop(msg.request_id, None)
         capacity = max(min(msg.capacity, context), len(msg.tokens) + 1)
-        target = TargetState(self.model, msg.params, msg.seed, draws=msg.draws, capacity=capacity)
+        target = TargetState(
+            self.model, msg.params, msg.seed, draws=msg.draws, capacity=capacity,
+            prompt_length=msg.prompt_length,
+        )  # fmt: skip
         self.prefilling[msg.request_id] = Prefill(msg, target, time.time_ns())
         return None
 
@@ -105,6 +115,7 @@ class Verifier:
         """The prompt is in: sample the first token (a re-prime, sample=False, samples none)."""
         msg, target = job.msg, job.target
         del self.prefilling[msg.request_id]
+        target.prefilled(msg.tokens)
         token, u = target.first_token(last_logits) if msg.sample else (None, None)
         reply = Opened(
             request_id=msg.request_id, step=msg.step, trace=msg.trace, token=token, u=u,
@@ -208,7 +219,8 @@ class Verifier:
         replies: list[Verified] = []
         rows = sum(1 + len(msg.drafts) for msg, _ in batch)
         for (msg, request), logits in zip(batch, all_logits, strict=True):
-            verdict = request.target.conclude(logits, msg.drafts, request.probs, msg.parents)
+            target = request.target
+            verdict = target.conclude(logits, msg.drafts, request.probs, msg.parents, pending=msg.pending)
             request.step = msg.step
             request.reply = Verified(
                 request_id=msg.request_id, step=msg.step, trace=msg.trace,

@@ -2,9 +2,10 @@
 
 The draft model keeps its own KV cache per request. It feeds whatever accepted tokens
 it has not seen, then runs k single-token steps, drawing each token from the same
-shaped distribution (temperature, top-k, top-p) the target uses: those rows are the p
-of the acceptance rule. After verification its cache is truncated to the accepted
-prefix, the same rollback the target does.
+shaped distribution (logit bias and penalties over the context and the drafts before it,
+temperature, min-p, top-k, top-p) the target uses: those rows are the p of the acceptance
+rule. After verification its cache is truncated to the accepted prefix, the same rollback
+the target does.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline.decoding.controls import shaped_probs
 from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.noise import DRAFT
-from pipeline.decoding.sampling import SamplingParams, sample_at, target_probs
+from pipeline.decoding.sampling import SamplingParams, sample_at
 from pipeline.model import Runtime
 from pipeline.model.errors import ModelFileError
 
@@ -34,8 +36,9 @@ def check_same_vocabulary(target: Runtime, draft: Runtime) -> None:
 class ModelDrafter:
     name = "model"
 
-    def __init__(self, model: Runtime, params: SamplingParams, seed: int) -> None:
+    def __init__(self, model: Runtime, params: SamplingParams, seed: int, prompt_length: int = 0) -> None:
         self.model, self.params, self.seed = model, params, seed
+        self.prompt_length = prompt_length  # where the prompt ends in a context: penalties read it
         self.cache = model.new_cache()
         self.fed: list[int] = []  # tokens whose K/V are in the draft cache
 
@@ -61,7 +64,7 @@ class ModelDrafter:
         for j in range(k):  # draft j sits at position len(context) + j: its own number samples it
             logits = self.model.forward(self.cache, pending, all_logits=False)[0]
             self.fed.extend(pending)
-            probs = target_probs(logits, self.params)
+            probs = shaped_probs(logits[None], self.params, context, self.prompt_length, [tokens])[0]
             token, _ = sample_at(probs, self.seed, len(context) + j, DRAFT)
             tokens.append(token)
             rows.append(probs)
@@ -84,4 +87,4 @@ class ModelSource:
         self.draft = draft
 
     def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> ModelDrafter:
-        return ModelDrafter(self.draft, params, seed)
+        return ModelDrafter(self.draft, params, seed, len(prompt))
