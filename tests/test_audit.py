@@ -334,7 +334,7 @@ def test_changed_replacement_is_caught(models, sampled_record):
 
 def test_changed_greedy_bonus_is_caught(models, greedy_record):
     target, draft, _ = models
-    step = first_step(greedy_record, lambda s: True)
+    step = first_step(greedy_record, lambda s: not s.decisions or s.decisions[-1].kept)  # a bonus token
     emitted = [*step.emitted[:-1], step.emitted[-1] + 1]
     events = replace_step(greedy_record, step.step, emitted=emitted)
     assert_fails_at(verify_request("req", events, target, draft), step.step, "argmax")
