@@ -101,3 +101,13 @@ def test_an_uncalibrated_curve_learns_from_steps_a_calibrated_one_stays():
         fixed.observe(rows, 0.01 * rows)
     assert learning.ratio(3) == 3.0
     assert fixed.ratio(3) == 1.0
+
+
+def test_each_drafter_is_judged_on_its_own_record():
+    parents, shares = chain(8), [1.0] * 8
+    c = controller(GENTLE)
+    for _ in range(30):
+        c.observe(9, 0.012, 0.013, offered(parents, shares, list(range(8))), accepted=8, drafter="suffix")
+        c.observe(9, 0.012, 0.013, [1.0], accepted=0, drafter="ngram")
+    assert len(c.cut(parents, shares, drafter="suffix")) == 8
+    assert c.cut(parents, shares, drafter="ngram") == []

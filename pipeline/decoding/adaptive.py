@@ -11,8 +11,9 @@ length that pays (`budget`).
 - t(rows) comes from the runtime's own start-up calibration (`model.calibration`), kept
   current with what steps measure.
 - p_i = p(parent) * min(1, alpha_d * share_i): share_i is the drafter's own estimate (its
-  candidates' vote at that branch), alpha_d a per-depth calibration of those estimates learnt
-  from what the target kept, so a drafter that is over-confident at depth 5 is discounted there.
+  candidates' vote at that branch), alpha_d a per-drafter, per-depth calibration of those
+  estimates learnt from what the target kept, so a drafter that is over-confident at depth 5 is
+  discounted there, and `auto`'s n-gram chains and suffix chains are each judged on their record.
 - Neighbours: in a batched verify lane other requests' rows share the forward, so a request
   with neighbours may only add rows while the forward stays within `NEIGHBOUR_SLOWDOWN` of the
   time it takes without any speculation (`RowCosts.row_budget`): its speculation must not make
@@ -127,7 +128,7 @@ class Controller:
     fixed: int | None = None
     k_max: int = 16
     costs: RowCosts = field(default_factory=RowCosts)
-    acceptance: DepthAcceptance = field(default_factory=DepthAcceptance)
+    acceptance: dict[str, DepthAcceptance] = field(default_factory=dict)  # per drafter (`Proposal.drafter`)
     overhead: float = 0.05  # per-step seconds outside the forward, over t(1) (EWMA)
     draft_per_token: float = 0.0  # a sampling drafter's seconds per draft token, over t(1) (EWMA)
     smoothing: float = 0.2
@@ -142,7 +143,7 @@ class Controller:
         if not sampling_drafter:
             return self.k_max
         chain = list(range(-1, self.k_max - 1))
-        probs = node_probabilities(chain, [1.0] * self.k_max, self.acceptance)
+        probs = node_probabilities(chain, [1.0] * self.k_max, self.depths("model"))
         gains = np.concatenate([[1.0], 1.0 + np.cumsum(probs)])
         costs = [
             self.costs.ratio(k + 1) + self.overhead + k * self.draft_per_token for k in range(self.k_max + 1)
@@ -150,8 +151,14 @@ class Controller:
         best = int(np.argmax(gains / np.asarray(costs)))
         return best or self._probe(best)
 
-    def cut(self, parents: Sequence[int], shares: Sequence[float], neighbours: int = 0) -> list[int]:
-        """The nodes to verify (ascending, closed under parents) out of a proposal."""
+    def depths(self, drafter: str) -> DepthAcceptance:
+        """The per-depth calibration of `drafter`'s own estimates (each drafter errs its own way)."""
+        return self.acceptance.setdefault(drafter, DepthAcceptance())
+
+    def cut(
+        self, parents: Sequence[int], shares: Sequence[float], neighbours: int = 0, drafter: str = ""
+    ) -> list[int]:
+        """The nodes to verify (ascending, closed under parents) out of `drafter`'s proposal."""
         n = len(parents)
         if n == 0:
             return []
@@ -161,7 +168,7 @@ class Controller:
         if neighbours > 0:
             base = neighbours + 1
             cap = min(n, self.costs.row_budget(base, base + n) - base)
-        probs = node_probabilities(parents, shares, self.acceptance)
+        probs = node_probabilities(parents, shares, self.depths(drafter))
         ranked = sorted(range(n), key=lambda i: (-probs[i], i))  # a parent before its children
         gains = np.concatenate([[1.0], 1.0 + np.cumsum([probs[i] for i in ranked[:cap]])])
         costs = np.asarray([self.costs.ratio(r + 1) + self.overhead for r in range(cap + 1)])
@@ -181,7 +188,7 @@ class Controller:
         return min(4, cap, self.k_max)
 
     def observe(self, rows: int, verify_seconds: float, step_seconds: float, offered: Sequence[float],
-                accepted: int, sampling_drafts: int = 0) -> None:  # fmt: skip
+                accepted: int, sampling_drafts: int = 0, drafter: str = "") -> None:  # fmt: skip
         """One verified step: its forward of `rows` rows took `verify_seconds` of `step_seconds`."""
         self.costs.observe(rows, verify_seconds)
         one = self.costs.seconds.get(1, verify_seconds)
@@ -192,6 +199,6 @@ class Controller:
                 self.draft_per_token += self.smoothing * (per - self.draft_per_token)
             else:
                 self.overhead += self.smoothing * (extra - self.overhead)
-        self.acceptance.observe(offered, accepted)
+        self.depths(drafter).observe(offered, accepted)
         if offered and accepted == len(offered):
             self._probe_after = 4

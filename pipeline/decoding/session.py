@@ -138,7 +138,7 @@ class Session:
         shares = proposal.shares or [1.0] * len(parents)
         if len(parents) != len(tokens) or len(shares) != len(tokens):
             return EMPTY
-        keep = [i for i in self.controller.cut(parents, shares, neighbours) if i < want]
+        keep = [i for i in self.controller.cut(parents, shares, neighbours, proposal.drafter) if i < want]
         kept = select(parents, keep)
         return Proposal(
             [tokens[i] for i in keep], None if proposal.probs is None else proposal.probs[: len(keep)],
@@ -155,11 +155,13 @@ class Session:
         return self.record(
             len(draft.tokens), verdict.tokens, verdict.accepted, draft_s, verify_s, depth=depth,
             offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
+            drafter=draft.drafter,
         )  # fmt: skip
 
     def record(
         self, drafted: int, emitted: Sequence[int], accepted: int, draft_s: float, verify_s: float,
         *, depth: int | None = None, offered: Sequence[float] | None = None, sampled_drafts: int = 0,
+        drafter: str = "",
     ) -> str:  # fmt: skip
         """Book one verify pass of `drafted` nodes (`depth` levels; a chain if not given) and push
         its tokens; returns the text they release. `offered`: `tree.offered` of the step."""
@@ -171,7 +173,8 @@ class Session:
         stats.verify_seconds += verify_s
         stats.draft_seconds += draft_s
         if drafted or controller.fixed is None:
-            controller.observe(drafted + 1, verify_s, draft_s + verify_s, offered, accepted, sampled_drafts)
+            seconds = (verify_s, draft_s + verify_s)
+            controller.observe(drafted + 1, *seconds, offered, accepted, sampled_drafts, drafter)
         text = []
         for token in emitted:
             text.append(self.out.push(token))

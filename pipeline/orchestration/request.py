@@ -287,6 +287,7 @@ class RequestMachine:
             text = session.record(
                 record.drafted, record.tokens, record.accepted, *seconds, depth=record.depth,
                 offered=record.offered, sampled_drafts=record.drafted if record.drafter == "model" else 0,
+                drafter=record.drafter,
             )  # fmt: skip
         self.step, self.draws = record.step, record.draws
         self._emit(text, before)
