@@ -7,11 +7,13 @@ one forward; runs another forward at once while prompts are still being prefille
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import trio
 
 from lanes.lane import LaneContext, lane_main
 from pipeline.model import default_model_path, load_model
+from pipeline.model.calibration import stored_row_seconds
 from pipeline.protocol.messages import VerifyInbox
 from pipeline.protocol.transport import Inbox
 from pipeline.workers.verifier import Verifier, runtime_report
@@ -21,9 +23,10 @@ log = logging.getLogger(__name__)
 
 async def serve(lane: LaneContext) -> None:
     config = lane.config
-    model = load_model(config.model.path or default_model_path(), config.model.backend)
+    path = Path(config.model.path or default_model_path())
+    model = load_model(path, config.model.backend)
     lane.runtime = runtime_report(model)
-    verifier = Verifier(model, lane, config.run.prefill_chunk)
+    verifier = Verifier(model, lane, config.run.prefill_chunk, stored_row_seconds(model, path))
     inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox, config.tls)
     results = lane.replies()
     window = config.run.batch_window_seconds

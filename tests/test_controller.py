@@ -3,6 +3,9 @@ the drafter's shares and what the target kept; neighbours in a batch cap it."""
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -111,3 +114,24 @@ def test_each_drafter_is_judged_on_its_own_record():
         c.observe(9, 0.012, 0.013, [1.0], accepted=0, drafter="ngram")
     assert len(c.cut(parents, shares, drafter="suffix")) == 8
     assert c.cut(parents, shares, drafter="ngram") == []
+
+
+def test_the_lane_keeps_its_calibration_per_model_runtime_and_cpu(tmp_path, monkeypatch):
+    from pipeline.model import calibration, load_model
+
+    from .tinymodel import TinySpec, write_tiny_gguf
+
+    monkeypatch.setenv("SPECLANES_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(quant="Q8_0", seed=3))
+    model = load_model(path, "native")
+    first = calibration.stored_row_seconds(model, path)
+    assert len(first) == max(calibration.ROWS) and first[0] > 0
+    assert all(b >= a for a, b in itertools.pairwise(first) if a and b)  # never cheaper with more rows
+    monkeypatch.setattr(calibration, "measure", lambda *_: pytest.fail("measured again"))
+    assert calibration.stored_row_seconds(load_model(path, "native"), path) == first
+    (entry,) = (tmp_path / "cache" / "calibration").iterdir()
+    entry.write_text("garbage")
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECLANES_CACHE", str(tmp_path / "cache"))
+    assert len(calibration.stored_row_seconds(load_model(path, "native"), path)) == max(calibration.ROWS)

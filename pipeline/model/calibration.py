@@ -1,23 +1,34 @@
 """The runtime's own t(rows) curve: how long a forward of r new rows takes on this machine.
 
 The speculation controller (`decoding.adaptive`) chooses how many draft nodes to verify from
-this curve, so it is measured where it is used, at start-up, not assumed: it differs between
-backends, CPUs and load (flat up to a knee on a wide-SIMD CPU, rising from the start on a
-compute-bound one). A few row counts are timed over a cache of `CONTEXT` tokens, the fastest
-of `REPEATS` runs each, made non-decreasing; the controller interpolates between them.
+this curve, so it is measured where it is used, not assumed: it differs between backends, CPUs
+and models (flat up to a knee on a wide-SIMD CPU, rising from the start on a compute-bound
+one). A few row counts are timed over a cache of `CONTEXT` tokens, the fastest of `REPEATS`
+runs each, made non-decreasing; the controller interpolates between them.
+
+The verify lane measures it at its first start on a machine and keeps it in the weight cache
+(`stored_row_seconds`, keyed by the model file, the runtime and the CPU), so a restarted lane
+is back without the second it takes; delete `calibration/` there to measure again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
-from pipeline.model.backends import Runtime
+from pipeline.model.backends import Runtime, backend_key
+from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.store import cache_root
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 33)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)
 CONTEXT = 128
-REPEATS = 3
+REPEATS = 2
 _measured: weakref.WeakKeyDictionary[Any, list[float]] = weakref.WeakKeyDictionary()
 
 
@@ -51,3 +62,24 @@ def row_seconds(model: Runtime) -> list[float]:
     except KeyError:
         seconds = _measured[model] = measure(model)
         return seconds
+
+
+def stored_row_seconds(model: Runtime, path: Path) -> list[float]:
+    """`measure(model)` for the model file at `path`, kept on disk for this model file, runtime
+    and CPU (written atomically; an unreadable entry is measured again)."""
+    stat = path.stat()
+    key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, backend_key(model), cpu_name(),
+                      kernel_flags(), ROWS, CONTEXT])  # fmt: skip
+    entry = cache_root() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    try:
+        seconds = json.loads(entry.read_text())
+        if isinstance(seconds, list) and len(seconds) == max(ROWS) and all(type(x) is float for x in seconds):
+            return seconds
+    except (OSError, ValueError):
+        pass
+    seconds = row_seconds(model)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=entry.parent, delete=False, suffix=".tmp") as f:
+        json.dump(seconds, f)
+    os.replace(f.name, entry)
+    return seconds

@@ -283,11 +283,10 @@ class RequestMachine:
             self.prefill_seconds = record.verify_seconds
             text = session.start(record.tokens[0])
         else:
-            seconds = (record.draft_seconds, record.verify_seconds)
             text = session.record(
-                record.drafted, record.tokens, record.accepted, *seconds, depth=record.depth,
-                offered=record.offered, sampled_drafts=record.drafted if record.drafter == "model" else 0,
-                drafter=record.drafter,
+                record.drafted, record.tokens, record.accepted, record.draft_seconds, record.verify_seconds,
+                depth=record.depth, offered=record.offered, drafter=record.drafter,
+                sampled_drafts=record.drafted if record.drafter == "model" else 0,
             )  # fmt: skip
         self.step, self.draws = record.step, record.draws
         self._emit(text, before)

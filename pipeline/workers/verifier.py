@@ -56,10 +56,14 @@ class Request:
 
 
 class Verifier:
-    def __init__(self, model: Runtime, lane: LaneReporter, prefill_chunk: int = 128) -> None:
+    def __init__(
+        self, model: Runtime, lane: LaneReporter, prefill_chunk: int = 128,
+        row_costs: list[float] | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.lane = model, lane
         self.backend = backend_key(model)
-        self.row_seconds = row_seconds(model)  # the controllers' t(rows), sent with every Opened
+        # The controllers' t(rows) (`model.calibration`), sent with every Opened.
+        self.row_seconds = row_costs if row_costs is not None else row_seconds(model)
         self.prefill_chunk = prefill_chunk or model.cfg.context_length  # 0: a whole prompt per forward
         self.requests: dict[str, Request] = {}
         self.prefilling: dict[str, Prefill] = {}  # oldest first: chunks are fed in arrival order
