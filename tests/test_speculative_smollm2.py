@@ -43,7 +43,7 @@ def target(request, smollm2, served_model):
 @pytest.mark.parametrize(("drafter", "k"), [("ngram", None), ("suffix", 3), ("auto", None), ("model", 4)])
 def test_workloads_match_plain_decoding(target, workload, drafter, k):
     prompt = chat_prompt(target, WORKLOADS[workload])
-    params = SamplingParams(max_tokens=48)
+    params = SamplingParams(max_tokens=32)
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
     source = make_draft_source(drafter, target, target if drafter == "model" else None)
     out = decode(target, prompt, params, source, k=k)

@@ -194,7 +194,7 @@ def branching_prompt(rng: np.random.Generator, branches: int) -> list[int]:
     return out + stem
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 2**64 - 1),
     temperature=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
