@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.decoding.tree import path
 from pipeline.model import load_model
 
 from .tinymodel import TinySpec, write_tiny_gguf
@@ -28,9 +29,9 @@ SPECS = {
 )
 def tiny(request, tmp_path_factory):
     name, backend = request.param
-    path = tmp_path_factory.mktemp("tree") / "tiny.gguf"
-    write_tiny_gguf(path, SPECS[name])
-    return load_model(path, backend)
+    file = tmp_path_factory.mktemp("tree") / "tiny.gguf"
+    write_tiny_gguf(file, SPECS[name])
+    return load_model(file, backend)
 
 
 @st.composite
@@ -40,14 +41,6 @@ def trees(draw, max_rows: int = 12):
     parents = [-1] + [draw(st.integers(-1 if i == 0 else 0, i - 1)) for i in range(1, rows)]
     tokens = draw(st.lists(st.integers(3, 266), min_size=rows, max_size=rows))
     return tokens, parents
-
-
-def path_of(parents: list[int], row: int) -> list[int]:
-    path = []
-    while row >= 0:
-        path.append(row)
-        row = parents[row]
-    return path[::-1]
 
 
 def agree(model, got: np.ndarray, want: np.ndarray) -> bool:
@@ -66,11 +59,11 @@ def test_each_tree_row_equals_the_chain_through_its_path(tiny, prefix, tree):
     model.forward(cache, prefix)
     logits = model.forward_batch([(cache, tokens, parents)])[0]
     for row in range(len(tokens)):
-        path = path_of(parents, row)
+        rows = path(parents, row)
         chain = model.new_cache(capacity=4)
         model.forward(chain, prefix)
-        want = model.forward(chain, [tokens[r] for r in path])[-1]
-        assert agree(model, logits[row], want), (row, path)
+        want = model.forward(chain, [tokens[r] for r in rows])[-1]
+        assert agree(model, logits[row], want), (row, rows)
 
 
 @settings(max_examples=10, deadline=None)
@@ -83,7 +76,7 @@ def test_each_tree_row_equals_the_chain_through_its_path(tiny, prefix, tree):
 def test_a_kept_path_continues_like_one_token_at_a_time(tiny, prefix, tree, data, after):
     model = tiny
     tokens, parents = tree
-    kept = path_of(parents, data.draw(st.integers(0, len(tokens) - 1)))
+    kept = path(parents, data.draw(st.integers(0, len(tokens) - 1)))
     cache = model.new_cache(capacity=4)
     model.forward(cache, prefix)
     model.forward_batch([(cache, tokens, parents)])
