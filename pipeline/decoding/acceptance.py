@@ -114,7 +114,7 @@ def verify_tree(
     Decisions: one per level reached that had children, for the child kept, or for the first
     child when none was (its `replacement` is the token emitted instead)."""
     rows = target if isinstance(target, TargetRows) else ProbabilityRows(target)
-    if rows.logits.shape[0] != len(tokens) + 1:
+    if len(rows) != len(tokens) + 1:
         raise ValueError(f"need {len(tokens) + 1} target rows for {len(tokens)} draft nodes")
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents):

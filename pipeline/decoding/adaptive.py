@@ -8,8 +8,8 @@ comes after the proposal, free drafters (n-gram, suffix) may propose generously 
 pays is verified; the model drafter, whose drafts cost a forward each, is asked for the chain
 length that pays (`budget`).
 
-- t(rows) comes from the runtime's own start-up calibration (`model.calibration`), kept
-  current with what steps measure.
+- t(rows) comes from the runtime's own calibration (`model.calibration`); only without one is
+  it learnt from what steps measure.
 - p_i = p(parent) * min(1, alpha_d * share_i): share_i is the drafter's own estimate (its
   candidates' vote at that branch), alpha_d a per-drafter, per-depth calibration of those
   estimates learnt from what the target kept, so a drafter that is over-confident at depth 5 is
@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pipeline.decoding.tree import chain, depths
 
 K_LIMIT = 32
 NEIGHBOUR_SLOWDOWN = 0.05
@@ -111,11 +113,8 @@ def node_probabilities(
 ) -> list[float]:
     """p_i for each node (parents come before children), see the module docstring."""
     probs: list[float] = []
-    depth: list[int] = []
-    for parent, share in zip(parents, shares, strict=True):
-        d = 1 if parent < 0 else depth[parent] + 1
+    for d, parent, share in zip(depths(parents), parents, shares, strict=True):
         above = 1.0 if parent < 0 else probs[parent]
-        depth.append(d)
         probs.append(above * min(1.0, acceptance.alpha(d) * share))
     return probs
 
@@ -142,13 +141,8 @@ class Controller:
             return self.fixed
         if not sampling_drafter:
             return self.k_max
-        chain = list(range(-1, self.k_max - 1))
-        probs = node_probabilities(chain, [1.0] * self.k_max, self.depths("model"))
-        gains = np.concatenate([[1.0], 1.0 + np.cumsum(probs)])
-        costs = [
-            self.costs.ratio(k + 1) + self.overhead + k * self.draft_per_token for k in range(self.k_max + 1)
-        ]
-        best = int(np.argmax(gains / np.asarray(costs)))
+        probs = node_probabilities(chain(self.k_max), [1.0] * self.k_max, self.depths("model"))
+        best = self._best_count(probs, per_node=self.draft_per_token)
         return best or self._probe(best)
 
     def depths(self, drafter: str) -> DepthAcceptance:
@@ -170,14 +164,19 @@ class Controller:
             cap = min(n, self.costs.row_budget(base, base + n) - base)
         probs = node_probabilities(parents, shares, self.depths(drafter))
         ranked = sorted(range(n), key=lambda i: (-probs[i], i))  # a parent before its children
-        gains = np.concatenate([[1.0], 1.0 + np.cumsum([probs[i] for i in ranked[:cap]])])
-        costs = np.asarray([self.costs.ratio(r + 1) + self.overhead for r in range(cap + 1)])
-        best = int(np.argmax(gains / costs))
+        best = self._best_count([probs[i] for i in ranked[:cap]])
         if best == 0 and cap > 0:
             best = self._probe(best, cap)
         else:
             self._plain_steps = 0
         return sorted(ranked[:best])
+
+    def _best_count(self, probs: Sequence[float], per_node: float = 0.0) -> int:
+        """How many of the nodes `probs` (best first) maximise expected tokens per unit of time:
+        (1 + sum p) over t(R + 1) / t(1), the step overhead and `per_node` for each node drafted."""
+        gains = np.concatenate([[1.0], 1.0 + np.cumsum(probs)])
+        costs = [self.costs.ratio(r + 1) + self.overhead + r * per_node for r in range(len(probs) + 1)]
+        return int(np.argmax(gains / np.asarray(costs)))
 
     def _probe(self, best: int, cap: int = 4) -> int:
         self._plain_steps += 1

@@ -187,6 +187,9 @@ class TargetRows:
         self.best = logits.argmax(axis=-1) if params.greedy else None
         self._probs: dict[int, np.ndarray] = {}
 
+    def __len__(self) -> int:
+        return len(self.logits)
+
     def probs(self, row: int) -> np.ndarray:
         if row not in self._probs:
             self._probs[row] = target_probs(self.logits[row], self.params)
@@ -210,4 +213,7 @@ class ProbabilityRows(TargetRows):
     `sample_at` samples."""
 
     def __init__(self, probs: np.ndarray) -> None:
-        self.logits, self.best, self._probs = probs, None, dict(enumerate(probs))
+        self.best, self._probs = None, dict(enumerate(probs))
+
+    def __len__(self) -> int:
+        return len(self._probs)

@@ -166,9 +166,8 @@ class Session:
         """Book one verify pass of `drafted` nodes (`depth` levels; a chain if not given) and push
         its tokens; returns the text they release. `offered`: `tree.offered` of the step."""
         stats, controller = self.stats, self.controller
-        depth = drafted if depth is None else depth
-        if offered is None:  # a chain of shares 1.0: every level up to the first rejection
-            offered = [1.0] * min(accepted + 1, drafted)
+        if depth is None or offered is None:  # a chain, shares 1
+            depth, offered = step_shape(None, None, drafted, range(accepted))
         stats.record(drafted, accepted, depth)
         stats.verify_seconds += verify_s
         stats.draft_seconds += draft_s

@@ -6,9 +6,9 @@ and models (flat up to a knee on a wide-SIMD CPU, rising from the start on a com
 one). A few row counts are timed over a cache of `CONTEXT` tokens, the fastest of `REPEATS`
 runs each, made non-decreasing; the controller interpolates between them.
 
-The verify lane measures it at its first start on a machine and keeps it in the weight cache
-(`stored_row_seconds`, keyed by the model file, the runtime and the CPU), so a restarted lane
-is back without the second it takes; delete `calibration/` there to measure again.
+The verify lane measures it at its first start on a machine and keeps it beside the model's
+prepared weights (`stored_row_seconds`, per runtime and CPU), so a restarted lane is back without
+the second it takes; delete that directory's `calibration/` to measure again.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline.model.backends import Runtime, backend_key
 from pipeline.model.cpu import cpu_name, kernel_flags
-from pipeline.model.store import cache_root
+from pipeline.model.store import cache_directory
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)
 CONTEXT = 128
@@ -65,12 +65,11 @@ def row_seconds(model: Runtime) -> list[float]:
 
 
 def stored_row_seconds(model: Runtime, path: Path) -> list[float]:
-    """`measure(model)` for the model file at `path`, kept on disk for this model file, runtime
-    and CPU (written atomically; an unreadable entry is measured again)."""
-    stat = path.stat()
-    key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, backend_key(model), cpu_name(),
-                      kernel_flags(), ROWS, CONTEXT])  # fmt: skip
-    entry = cache_root() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    """`measure(model)` for the model file at `path`, kept beside its prepared weights
+    (`store.cache_directory`) per runtime and CPU; written atomically, an unreadable entry is
+    measured again."""
+    key = json.dumps([backend_key(model), cpu_name(), kernel_flags(), ROWS, CONTEXT])
+    entry = cache_directory(path) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     try:
         seconds = json.loads(entry.read_text())
         if isinstance(seconds, list) and len(seconds) == max(ROWS) and all(type(x) is float for x in seconds):

@@ -1,6 +1,6 @@
 """Try drafters in order, cheapest first; the first with a proposal wins the step. Asked for a
-tree, the deterministic drafters' candidates are merged into one tree instead (each drafter
-with candidates weighing the same), and a sampling drafter is asked only when they have none."""
+tree, the deterministic drafters' candidates are merged into one tree instead (`prioritised`),
+and a sampling drafter is asked only when they have none."""
 
 from __future__ import annotations
 
