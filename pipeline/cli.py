@@ -53,6 +53,10 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object at the end instead of streaming"
     )
+    p.add_argument(
+        "--logprobs", type=int, default=None, metavar="N",
+        help="with --json: each token's log-probability and the N likeliest alternatives (0-20)",
+    )  # fmt: skip
     _add_control_flags(p)
 
 
@@ -216,6 +220,8 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
 def _sampling(args: argparse.Namespace, response_format: str | None = None):
     from pipeline.decoding.sampling import SamplingParams
 
+    if args.logprobs is not None and not args.json:  # the entries are part of --json's object
+        raise ValueError("--logprobs shows in the --json object: add --json")
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -230,7 +236,18 @@ def _sampling(args: argparse.Namespace, response_format: str | None = None):
         repetition_penalty=args.repetition_penalty,
         logit_bias=logit_bias(args.logit_bias),
         response_format=response_format,
+        logprobs=args.logprobs,
     )
+
+
+def result_json(result: Any) -> str:
+    """`--json`'s object: the Result, with its log-probabilities (if asked for) as JSON objects."""
+    from pipeline.decoding.logprobs import readable
+
+    data = msgspec.to_builtins(result)
+    if result.logprobs is not None:
+        data["logprobs"] = readable(result.logprobs)
+    return msgspec.json.encode(data).decode()
 
 
 def logit_bias(pairs: list[str]) -> dict[int, float]:
@@ -305,7 +322,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         on_text=None if args.json else show,
     )
     if args.json:
-        sys.stdout.write(msgspec.json.encode(completion).decode() + "\n")
+        sys.stdout.write(result_json(completion) + "\n")
     else:
         sys.stdout.write("\n")
     return 0
@@ -468,7 +485,7 @@ def _print_stream(client: Any, request_id: str, as_json: bool) -> None:
         if isinstance(item, Result):
             if item.error is not None:
                 raise ValueError(f"request {item.request_id} failed: {item.error.message}")
-            sys.stdout.write(msgspec.json.encode(item).decode() + "\n" if as_json else "\n")
+            sys.stdout.write(result_json(item) + "\n" if as_json else "\n")
         elif not as_json:
             sys.stdout.write(item.text)
             sys.stdout.flush()

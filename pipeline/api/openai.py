@@ -4,20 +4,23 @@ the pipeline's chunks and final object in, OpenAI chunks, responses and errors o
 Kept apart from the HTTP server (lanes/gateway.py) so every mapping is testable without
 sockets. Request bodies are decoded by msgspec into typed structs, so a wrong type names
 its field (`param`) in the 400 it earns. Unknown fields are ignored, as OpenAI-compatible
-servers do; known OpenAI features this server lacks (n > 1, logprobs, tools...) are refused by
-name unless they ask for nothing (n = 1, logprobs false). The sampling controls (OpenAI's
-logit_bias, presence and frequency penalties; vLLM's top_k, min_p, repetition_penalty) are
-served, exactly under speculation (`decoding.controls`).
+servers do; known OpenAI features this server lacks (n > 1, tools...) are refused by name
+unless they ask for nothing (n = 1). The sampling controls (OpenAI's logit_bias, presence and
+frequency penalties; vLLM's top_k, min_p, repetition_penalty) are served, exactly under
+speculation (`decoding.controls`), and so are log-probabilities (`api.logprobs_format`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from pipeline.api.chat_messages import ChatMessage, chat_messages
 from pipeline.api.errors import ApiError, decode_json
+from pipeline.api.logprobs_format import LogprobsFormatter, requested
+from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation, SpeculationError
@@ -96,9 +99,8 @@ class _Request(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     min_p: float | None = None  # extension (vLLM)
     repetition_penalty: float | None = None  # extension (vLLM)
-    # OpenAI features this server does not have: accepted only when they ask for nothing.
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | int | None = None  # chat: true or false; completions: how many alternatives
+    top_logprobs: int | None = None  # chat: how many alternatives (with logprobs: true)
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -122,11 +124,7 @@ def decode_request(body: bytes, chat: bool) -> CompletionRequest | ChatRequest:
 
 def _neutral(req: CompletionRequest | ChatRequest) -> None:
     """Refuse, by name, what this server cannot do, unless the request asks for nothing."""
-    asks = {
-        "n": req.n not in (None, 1),
-        "logprobs": bool(req.logprobs),
-        "top_logprobs": bool(req.top_logprobs),
-    }
+    asks = {"n": req.n not in (None, 1)}
     if isinstance(req, CompletionRequest):
         asks |= {"best_of": req.best_of not in (None, 1), "echo": bool(req.echo), "suffix": bool(req.suffix)}
     else:
@@ -164,6 +162,7 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             stop=stop,
             ignore_eos=bool(req.ignore_eos),
+            logprobs=requested(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs),
             **_controls(req),
         )
     except ValueError as exc:  # SamplingParams names the setting first ("top_p must be ...")
@@ -273,9 +272,13 @@ def speculation_stats(done: Result) -> dict[str, Any]:
 class Formatter:
     """Chunks and responses for one request, in the chat or the text-completion shape."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, created: int, prompt_tokens: int) -> None:
+    def __init__(
+        self, chat: bool, request_id: str, model: str, created: int, prompt_tokens: int,
+        logprobs: bool = False,
+    ) -> None:  # fmt: skip
         self.chat, self.model, self.created, self.prompt_tokens = chat, model, created, prompt_tokens
         self.id = RESPONSE_PREFIXES["chat" if chat else "text"] + request_id  # what `audit show` takes
+        self.logprobs = LogprobsFormatter(chat) if logprobs else None  # a stream's, across its chunks
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -286,20 +289,25 @@ class Formatter:
             "choices": choices,
         }
 
-    def _chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def _chunk(
+        self, text: str | None, finish_reason: str | None, role: bool = False, logprobs: Any = None
+    ) -> dict[str, Any]:
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def opening(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant's role, as OpenAI's do."""
         return self._chunk("", None, role=True) if self.chat else None
 
-    def text(self, text: str) -> dict[str, Any]:
-        return self._chunk(text, None)
+    def text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
+        """A chunk of text, with the entries of the tokens the pipeline's chunk carried (their text
+        may come in a later chunk: text that might start a stop string is held back)."""
+        entries = None if self.logprobs is None else self.logprobs.format(logprobs)
+        return self._chunk(text, None, logprobs=entries)
 
     def closing(self, done: Result) -> dict[str, Any]:
         """The chunk carrying finish_reason, with usage and the speculation stats (extensions
@@ -314,12 +322,13 @@ class Formatter:
 
     def response(self, done: Result) -> dict[str, Any]:
         reason = FINISH_REASONS[done.finish_reason]
+        logprobs = None if self.logprobs is None else LogprobsFormatter(self.chat).format(done.logprobs or [])
         if self.chat:
             message = {"role": "assistant", "content": done.text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": done.text, "logprobs": logprobs, "finish_reason": reason}
             body = self._envelope("text_completion", [choice])
         return body | {"usage": usage(done, self.prompt_tokens), "speculation": speculation_stats(done)}
 

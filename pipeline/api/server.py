@@ -234,7 +234,10 @@ class Gateway:
             param = "logit_bias" if exc.message.startswith("logit_bias") else param
             raise pipeline_error(exc.kind, exc.message, param) from None
         generation = Generation(self, submitted.request_id)
-        fmt = Formatter(chat, submitted.request_id, self.model, int(time.time()), submitted.prompt_tokens)
+        fmt = Formatter(
+            chat, submitted.request_id, self.model, int(time.time()), submitted.prompt_tokens,
+            logprobs=submit.params.logprobs is not None,
+        )  # fmt: skip
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(
@@ -253,8 +256,8 @@ class Gateway:
                 yield event(opening)
             async for item in generation.items():
                 if not isinstance(item, Result):
-                    if item.text:
-                        yield event(fmt.text(item.text))
+                    if item.text or item.logprobs:
+                        yield event(fmt.text(item.text, item.logprobs))
                 elif (error := failure(item)) is not None:
                     yield event(error.body())
                 else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pipeline.decoding.logprobs import TokenLogprobs
+
 FINISH_REASONS = ("stop", "length", "max_iterations_exceeded", "cancelled", "error")
 
 
@@ -32,7 +34,8 @@ class RequestError(msgspec.Struct, frozen=True):
 
 
 class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """`error` is set exactly when `finish_reason` is "error"; then tokens and stats may be empty."""
+    """`error` is set exactly when `finish_reason` is "error"; then tokens and stats may be empty.
+    `logprobs`: one entry per token of `tokens` when the request asked for them (None: it did not)."""
 
     finish_reason: str
     request_id: str = ""
@@ -41,6 +44,7 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
     text: str = ""
     stats: RunStats = msgspec.field(default_factory=RunStats)
     error: RequestError | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @classmethod
     def failed(cls, request_id: str, kind: str, message: str) -> Result:

@@ -21,6 +21,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps ever
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]; -100 bans the token (`controls`)
 TOKEN_ID_LIMIT = 2**31  # any vocabulary is far smaller; the bound keeps a token id in 32 bits
 PENALTY_LIMIT = 2.0  # OpenAI's (and vLLM's) range for presence and frequency penalties: [-2, 2]
+TOP_LOGPROBS_LIMIT = 20  # OpenAI's (and vLLM's default) cap on the alternatives listed per token
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -46,6 +47,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Structured output: `response_format` as canonical JSON text (`grammar.format`), None for free text.
     # Text, not a compiled grammar, because this struct crosses the wire; the verifier compiles it.
     response_format: str | None = None
+    # Log-probabilities of the emitted tokens (`logprobs`): None, off; N, each token's own and the N
+    # likeliest alternatives' (0 to 20). Here, not on the request, so it travels to the verify lane.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -74,6 +78,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError("response_format of type text constrains nothing: leave it unset (None)")
             if self.ignore_eos:  # past the grammar's end only EOS is allowed: it would repeat forever
                 raise ValueError("response_format ends the output where its grammar ends: drop ignore_eos")
+        if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS_LIMIT:
+            raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS_LIMIT}], got {self.logprobs}")
 
     def _check_controls(self) -> None:
         """The ranges vLLM checks (and OpenAI documents), with its messages."""

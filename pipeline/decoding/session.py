@@ -13,6 +13,7 @@ import numpy as np
 from pipeline.decoding.acceptance import Verdict
 from pipeline.decoding.adaptive import Controller
 from pipeline.decoding.drafters import EMPTY, Proposal
+from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.result import Result, RunStats
 from pipeline.decoding.sampling import SamplingParams
@@ -81,7 +82,9 @@ class Stats:
 
 
 class Session:
-    """The k policy, the output stream and the counters of one request."""
+    """The k policy, the output stream and the counters of one request. `logprobs` holds the
+    served tokens' entries (`decoding.logprobs`), one per token of `out.tokens` when asked for:
+    entries of tokens past a stop or max_tokens are dropped with the tokens."""
 
     def __init__(
         self,
@@ -100,6 +103,7 @@ class Session:
         self.max_iterations = speculation.max_iterations
         self.prompt_tokens = list(prompt_tokens)
         self.context = list(prompt_tokens)
+        self.logprobs: list[TokenLogprobs] = []
         self._ending: str | None = None
 
     def capacity(self) -> int:
@@ -108,9 +112,10 @@ class Session:
         output = min(self.params.max_tokens, INITIAL_OUTPUT_ROWS)
         return min(self.context_length, len(self.prompt_tokens) + output + self.controller.k_max + 1)
 
-    def start(self, first: int) -> str:
-        """The token sampled from the prefill; returns the text it releases."""
+    def start(self, first: int, logprobs: Sequence[TokenLogprobs] = ()) -> str:
+        """The token sampled from the prefill (and its entry); returns the text it releases."""
         self.context.append(first)
+        self.logprobs.extend(logprobs[:1])
         return self.out.push(first)
 
     def plan(self) -> int | None:
@@ -149,22 +154,26 @@ class Session:
         """When `plan` ended the request itself: mark the output finished, flush held-back text."""
         return self.out.finish(self._ending) if self._ending and not self.out.done else ""
 
-    def record_draft(self, draft: Proposal, verdict: Verdict, draft_s: float, verify_s: float) -> str:
+    def record_draft(
+        self, draft: Proposal, verdict: Verdict, draft_s: float, verify_s: float,
+        logprobs: Sequence[TokenLogprobs] = (),
+    ) -> str:  # fmt: skip
         """`record` for a verified `draft` (a chain or a tree) and its verdict."""
         depth, offered = step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
         return self.record(
             len(draft.tokens), verdict.tokens, verdict.accepted, draft_s, verify_s, depth=depth,
             offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
-            drafter=draft.drafter,
+            drafter=draft.drafter, logprobs=logprobs,
         )  # fmt: skip
 
     def record(
         self, drafted: int, emitted: Sequence[int], accepted: int, draft_s: float, verify_s: float,
         *, depth: int | None = None, offered: Sequence[float] | None = None, sampled_drafts: int = 0,
-        drafter: str = "",
+        drafter: str = "", logprobs: Sequence[TokenLogprobs] = (),
     ) -> str:  # fmt: skip
         """Book one verify pass of `drafted` nodes (`depth` levels; a chain if not given) and push
-        its tokens; returns the text they release. `offered`: `tree.offered` of the step."""
+        its tokens; returns the text they release. `offered`: `tree.offered` of the step;
+        `logprobs`: the emitted tokens' entries, kept for the tokens served."""
         stats, controller = self.stats, self.controller
         if depth is None or offered is None:  # a chain, shares 1
             depth, offered = step_shape(None, None, drafted, range(accepted))
@@ -175,8 +184,9 @@ class Session:
             seconds = (verify_s, draft_s + verify_s)
             controller.observe(drafted + 1, *seconds, offered, accepted, sampled_drafts, drafter)
         text = []
-        for token in emitted:
+        for i, token in enumerate(emitted):
             text.append(self.out.push(token))
+            self.logprobs.extend(logprobs[i : i + 1])
             if self.out.done:
                 break
         self.context.extend(emitted)
@@ -193,4 +203,5 @@ class Session:
         return Result(
             request_id=request_id, prompt_tokens=self.prompt_tokens, tokens=out.tokens, text=out.text,
             finish_reason=finish_reason or out.finish_reason or "length", stats=stats,
+            logprobs=None if self.params.logprobs is None else self.logprobs,
         )  # fmt: skip

@@ -65,7 +65,7 @@ def decode(
     prefill_seconds = time.perf_counter() - start
     observe = on_step or (lambda *_: None)
     observe(0, EMPTY, Verdict([first], 0, [], u), target.draws)
-    emit(session.start(first))
+    emit(session.start(first, target.logprobs))
     while (want := session.plan()) is not None:
         context = session.context
         t0 = time.perf_counter()
@@ -75,7 +75,7 @@ def decode(
 
         t0 = time.perf_counter()
         verdict = target.step(context[-1], draft)
-        emit(session.record_draft(draft, verdict, draft_seconds, time.perf_counter() - t0))
+        emit(session.record_draft(draft, verdict, draft_seconds, time.perf_counter() - t0, target.logprobs))
         observe(want, draft, verdict, target.draws)
         drafter.accept(session.context)
     emit(session.finish_text())

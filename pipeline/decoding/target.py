@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.decoding.acceptance import Verdict, verify, verify_tree
-from pipeline.decoding.controls import row_paths, shaped_probs, uses_context
+from pipeline.decoding.controls import row_paths, shaped_logits, shaped_probs, uses_context
 from pipeline.decoding.drafters import Proposal
 from pipeline.decoding.grammar.rows import constraint_for
+from pipeline.decoding.logprobs import TokenLogprobs, entries
 from pipeline.decoding.sampling import ProbabilityRows, SamplingParams, TargetRows, target_probs
 from pipeline.decoding.tree import chain, rows_parents
 from pipeline.model import Runtime
@@ -23,7 +24,10 @@ class TargetState:
 
     `context` mirrors the KV cache: the prompt, then the output except its newest (pending) token,
     which each step feeds. `prompt_length` says where the prompt ends in it; None: everything
-    prefilled before the first token is prompt (a re-prime names it, as its prefix holds output)."""
+    prefilled before the first token is prompt (a re-prime names it, as its prefix holds output).
+
+    `logprobs`: the entries of the tokens the last `first_token` or `conclude` emitted, one per
+    token, when the params ask for them (`decoding.logprobs`); empty otherwise."""
 
     def __init__(
         self, model: Runtime, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int,
@@ -35,6 +39,7 @@ class TargetState:
         self.prompt_length = prompt_length
         # Structured output: the grammar's masks on every row this state samples from (`grammar.rows`).
         self.grammar = constraint_for(model, params.response_format)
+        self.logprobs: list[TokenLogprobs] = []
 
     def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
         """Feed `tokens`; sample the next token from the last position if asked."""
@@ -53,6 +58,7 @@ class TargetState:
         if self.grammar is not None:
             last_logits = self.grammar.next_row(last_logits)
         token, u = self.rows(last_logits[None], [], [[]]).sample(0, self.seed, self.cache.length)
+        self.logprobs = self.entries(last_logits[None], [], [[]], [token])
         self.draws += u is not None
         if self.grammar is not None:
             self.grammar.commit([token])
@@ -65,8 +71,22 @@ class TargetState:
         tokens this forward fed before its first row: the pending token), then `paths[i]`."""
         if not uses_context(self.params):
             return target_probs(logits, self.params)
-        prompt_length = len(self.context) if self.prompt_length is None else self.prompt_length
-        return shaped_probs(logits, self.params, [*self.context, *fed], prompt_length, paths)
+        return shaped_probs(logits, self.params, [*self.context, *fed], self.prompt_end(), paths)
+
+    def prompt_end(self) -> int:
+        return len(self.context) if self.prompt_length is None else self.prompt_length
+
+    def entries(
+        self, logits: np.ndarray, fed: Sequence[int], paths: Sequence[Sequence[int]], tokens: Sequence[int]
+    ) -> list[TokenLogprobs]:
+        """The log-probabilities of `tokens`, row i's from row i of `logits` (rows as `distributions`
+        reads them); none unless the params ask. Shaped again here rather than kept from the rule:
+        the rule's rows are after temperature and may never have been computed (greedy, `TargetRows`)."""
+        if self.params.logprobs is None:
+            return []
+        assert self.model.tokenizer is not None
+        shaped = shaped_logits(logits, self.params, [*self.context, *fed], self.prompt_end(), paths)
+        return entries(shaped, tokens, self.params.logprobs, self.model.tokenizer.token_bytes)
 
     def rows(self, logits: np.ndarray, fed: Sequence[int], paths: Sequence[Sequence[int]]) -> TargetRows:
         """`distributions` for the deterministic rule: computed lazily, row by row down the kept
@@ -104,6 +124,9 @@ class TargetState:
         else:  # a chain is a tree too: only the rows down the kept path are computed
             shape = chain(len(drafts)) if parents is None else parents
             verdict = verify_tree(drafts, shape, self.rows(logits, [pending], paths), self.seed, start)
+        if self.params.logprobs is not None:  # the rows that decided the emitted tokens: the kept path's
+            kept = [0, *(node + 1 for node in verdict.path)]
+            self.logprobs = self.entries(logits[kept], [pending], [paths[r] for r in kept], verdict.tokens)
         if parents is None:
             self.cache.truncate(start + verdict.accepted)
         else:

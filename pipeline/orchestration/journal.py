@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import msgspec
 
+from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
@@ -74,6 +75,7 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     drafter: str = ""
     depth: int | None = None  # levels of the verified tree (None: a chain of `drafted`)
     offered: list[float] | None = None  # `tree.offered` of the step (None: a chain's)
+    logprobs: list[TokenLogprobs] = []  # the tokens' entries, when asked: a replay streams them again
 
 
 @dataclass

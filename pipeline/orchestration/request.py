@@ -255,8 +255,7 @@ class RequestMachine:
         )  # fmt: skip
 
     def _opened(self, msg: Opened, now: float) -> list[Effect]:
-        assert msg.token is not None
-        record = StepRecord(0, 0, [msg.token], 0, 0.0, now - self.who.started, msg.draws)
+        record = first_step(msg, now - self.who.started)
         self._apply(record)
         event = Record(step_event(self.who, None, msg, now))
         return [Journaled(record), FirstToken(record.verify_seconds), event, *self._advance(now)]
@@ -267,7 +266,7 @@ class RequestMachine:
         depth, offered = step_shape(planned.parents, planned.shares, len(planned.drafts), msg.path)
         record = StepRecord(
             msg.step, len(planned.drafts), list(msg.tokens), msg.accepted, planned.draft_seconds,
-            now - planned.verify_started, msg.draws, planned.drafter, depth, offered,
+            now - planned.verify_started, msg.draws, planned.drafter, depth, offered, msg.logprobs,
         )  # fmt: skip
         self._apply(record)
         stepped = Stepped(
@@ -281,12 +280,12 @@ class RequestMachine:
         session, before = self.session, len(self.session.out.tokens)
         if record.step == 0:
             self.prefill_seconds = record.verify_seconds
-            text = session.start(record.tokens[0])
+            text = session.start(record.tokens[0], record.logprobs)
         else:
             text = session.record(
                 record.drafted, record.tokens, record.accepted, record.draft_seconds, record.verify_seconds,
                 depth=record.depth, offered=record.offered, drafter=record.drafter,
-                sampled_drafts=record.drafted if record.drafter == "model" else 0,
+                sampled_drafts=record.drafted if record.drafter == "model" else 0, logprobs=record.logprobs,
             )  # fmt: skip
         self.step, self.draws = record.step, record.draws
         self._emit(text, before)
@@ -339,7 +338,7 @@ class RequestMachine:
     def _emit(self, text: str, before: int) -> None:
         tokens = self.session.out.tokens[before:]
         if text or tokens:
-            self.chunks.append(Chunk(len(self.chunks), text, tokens))
+            self.chunks.append(Chunk(len(self.chunks), text, tokens, self.session.logprobs[before:]))
 
 
 def proposal_of(msg: Drafted, request_id: str) -> tuple[Proposal, list[Effect]]:
@@ -352,6 +351,12 @@ def proposal_of(msg: Drafted, request_id: str) -> tuple[Proposal, list[Effect]]:
     if check(msg.tokens, msg.parents) is not None:
         return EMPTY, []
     return Proposal(msg.tokens, probs, msg.drafter, msg.parents, msg.shares), []
+
+
+def first_step(msg: Opened, prefill_seconds: float) -> StepRecord:
+    """Step 0 as the journal keeps it: the prefill's first token, and its entry when asked for."""
+    assert msg.token is not None
+    return StepRecord(0, 0, [msg.token], 0, 0.0, prefill_seconds, msg.draws, logprobs=msg.logprobs)
 
 
 def step_event(who: Identity, planned: Planned | None, reply: Opened | Verified, now: float) -> StepEvent:

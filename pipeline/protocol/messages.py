@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from pipeline.decoding.acceptance import Decision
+from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 
@@ -136,6 +137,7 @@ class Opened(Work, frozen=True, kw_only=True):
     seconds: float
     backend: str = ""  # the runtime that computed it ("torch:int4", "numpy:f32"): see model.backends
     row_seconds: list[float] = []  # the lane's calibrated t(rows) (`model.calibration`)
+    logprobs: list[TokenLogprobs] = []  # the first token's entry, when `params.logprobs` asks
 
 
 class Verified(Work, frozen=True, kw_only=True):
@@ -148,6 +150,7 @@ class Verified(Work, frozen=True, kw_only=True):
     seconds: float
     backend: str = ""
     path: list[int] = []  # the draft nodes kept, root first
+    logprobs: list[TokenLogprobs] = []  # one per token of `tokens`, when `params.logprobs` asks
 
 
 class Drafted(Work, frozen=True, kw_only=True):
@@ -340,6 +343,7 @@ class Chunk(msgspec.Struct, frozen=True, array_like=True):
     seq: int
     text: str
     tokens: list[int]
+    logprobs: list[TokenLogprobs] = []  # one per token, when the request asked (`decoding.logprobs`)
 
 
 class Chunks(Message, frozen=True, kw_only=True):

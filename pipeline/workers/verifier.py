@@ -124,7 +124,7 @@ class Verifier:
         reply = Opened(
             request_id=msg.request_id, step=msg.step, trace=msg.trace, token=token, u=u,
             draws=target.draws, seconds=(time.time_ns() - job.started_ns) / 1e9, backend=self.backend,
-            row_seconds=self.row_seconds,
+            row_seconds=self.row_seconds, logprobs=target.logprobs,
         )  # fmt: skip
         self.requests[msg.request_id] = Request(target, msg.step, reply)
         self.lane.state.runs += msg.sample
@@ -231,6 +231,7 @@ class Verifier:
                 tokens=verdict.tokens, accepted=verdict.accepted, decisions=verdict.decisions,
                 final_u=verdict.final_u, draws=request.target.draws, batch_size=len(batch),
                 seconds=time.perf_counter() - start, backend=self.backend, path=verdict.path,
+                logprobs=target.logprobs,
             )  # fmt: skip
             replies.append(request.reply)
             self.trace_step(msg, request.reply, start_ns, rows)
