@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import __version__, cli
 from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.logprobs import token_string
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -469,6 +471,78 @@ def test_sampling_controls_and_token_prompts_through_the_openai_client_equal_gen
     with pytest.raises(openai.BadRequestError) as bad:  # the orchestrator knows the vocabulary
         client.completions.create(model=model, prompt="hi", logit_bias={"10000000": 1})
     assert bad.value.param == "logit_bias" and "vocabulary" in bad.value.message
+
+
+def assert_logprobs_match(got: list[Any], want: list[Any]) -> None:
+    """OpenAI chat entries (the client's models) against in-process `TokenLogprobs`: the issue's 1e-5."""
+    assert len(got) == len(want)
+    for entry, expected in zip(got, want, strict=True):
+        assert entry.token == token_string(expected.piece) and bytes(entry.bytes) == expected.piece
+        assert abs(entry.logprob - expected.logprob) <= 1e-5
+        tops = [(t.token, t.logprob) for t in entry.top_logprobs]
+        assert [t for t, _ in tops] == [token_string(t.piece) for t in expected.top]
+        assert all(abs(lp - t.logprob) <= 1e-5 for (_, lp), t in zip(tops, expected.top, strict=True))
+
+
+@pytest.mark.slow
+def test_logprobs_through_the_openai_client_equal_in_process_decoding(client, model, served_model):
+    """Chat streamed and whole, and completions, with 5 alternatives a token while speculating: an entry
+    for every completion token, the entries spell the text, and the numbers are those the in-process
+    target computes at the same positions (1e-5, the issue's bound; the runtime makes them equal)."""
+    none = make_draft_source("none", served_model, None)
+    eos = served_model.tokenizer.token_bytes(served_model.tokenizer.eos_id).decode()
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    ids = prompt_tokens(served_model.tokenizer, PROMPTS[2], chat=True)
+    want = decode(served_model, ids, SamplingParams(max_tokens=16, logprobs=5), none, k=0)
+    asked = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0, "logprobs": True}
+    stream = client.chat.completions.create(
+        **asked, top_logprobs=5, stream=True, stream_options={"include_usage": True},
+        extra_body={"speculation": {"drafter": "ngram", "k": 4}},
+    )  # fmt: skip
+    text, content, usage = [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+        elif chunk.choices[0].logprobs is not None:  # each chunk: its delta's tokens
+            text.append(chunk.choices[0].delta.content or "")
+            content.extend(chunk.choices[0].logprobs.content or [])
+    whole = client.chat.completions.create(**asked, top_logprobs=5)
+    assert "".join(text) == want.text == whole.choices[0].message.content
+    assert usage is not None and len(content) == usage.completion_tokens == len(want.tokens)
+    spelled = want.text + (eos if want.tokens[-1] == served_model.tokenizer.eos_id else "")
+    assert "".join(t.token for t in content) == spelled
+    for got in (content, whole.choices[0].logprobs.content):
+        assert_logprobs_match(got, want.logprobs)
+
+    raw = "def reverse(text):\n    "
+    ids = prompt_tokens(served_model.tokenizer, raw, chat=False)
+    want = decode(served_model, ids, SamplingParams(max_tokens=16, logprobs=5), none, k=0)
+    text_completion = client.completions.create(
+        model=model, prompt=raw, max_tokens=16, temperature=0, logprobs=5
+    )
+    logprobs = text_completion.choices[0].logprobs
+    assert logprobs.tokens == [token_string(e.piece) for e in want.logprobs]
+    assert len(logprobs.tokens) == text_completion.usage.completion_tokens
+    assert np.allclose(logprobs.token_logprobs, [e.logprob for e in want.logprobs], rtol=0, atol=1e-5)
+    for alternatives, expected in zip(logprobs.top_logprobs, want.logprobs, strict=True):
+        chosen = {token_string(t.piece): t.logprob for t in expected.top} | {
+            token_string(expected.piece): expected.logprob
+        }
+        assert alternatives.keys() == chosen.keys()
+        assert all(abs(alternatives[key] - value) <= 1e-5 for key, value in chosen.items())
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+    for bad, param in (
+        (lambda: client.chat.completions.create(**asked, top_logprobs=21), "top_logprobs"),
+        (
+            lambda: client.chat.completions.create(**(asked | {"logprobs": False}), top_logprobs=3),
+            "top_logprobs",
+        ),
+        (lambda: client.completions.create(model=model, prompt=raw, logprobs=21), "logprobs"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            bad()
+        assert caught.value.param == param
 
 
 def _idle(report) -> bool:

@@ -174,7 +174,8 @@ def test_the_sampling_controls_reach_the_submit():
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"stream": "yes"}, "stream"),
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 5}, "logprobs"),  # chat takes true or false; top_logprobs says how many
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),

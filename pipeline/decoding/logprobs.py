@@ -55,8 +55,10 @@ def likeliest(row: np.ndarray, n: int) -> list[int]:
     n = min(n, int(np.isfinite(row).sum()))
     if n <= 0:
         return []
-    chosen = np.argpartition(-row, n - 1)[:n]
-    return sorted((int(t) for t in chosen), key=lambda t: (-row[t], t))
+    nth = row[np.argpartition(-row, n - 1)[n - 1]]  # the n-th largest value; ties at it go by id
+    above = np.flatnonzero(row > nth)
+    chosen = [*above.tolist(), *np.flatnonzero(row == nth)[: n - above.size].tolist()]
+    return sorted(chosen, key=lambda t: (-row[t], t))
 
 
 def entries(
