@@ -290,8 +290,9 @@ class Formatter:
         }
 
     def _chunk(
-        self, text: str | None, finish_reason: str | None, role: bool = False, logprobs: Any = None
-    ) -> dict[str, Any]:
+        self, text: str | None, finish_reason: str | None, role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

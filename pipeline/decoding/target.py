@@ -58,7 +58,7 @@ class TargetState:
         if self.grammar is not None:
             last_logits = self.grammar.next_row(last_logits)
         token, u = self.rows(last_logits[None], [], [[]]).sample(0, self.seed, self.cache.length)
-        self.logprobs = self.entries(last_logits[None], [], [[]], [token])
+        self.logprobs = self.logprobs_of(last_logits[None], [], [[]], [token])
         self.draws += u is not None
         if self.grammar is not None:
             self.grammar.commit([token])
@@ -76,7 +76,7 @@ class TargetState:
     def prompt_end(self) -> int:
         return len(self.context) if self.prompt_length is None else self.prompt_length
 
-    def entries(
+    def logprobs_of(
         self, logits: np.ndarray, fed: Sequence[int], paths: Sequence[Sequence[int]], tokens: Sequence[int]
     ) -> list[TokenLogprobs]:
         """The log-probabilities of `tokens`, row i's from row i of `logits` (rows as `distributions`
@@ -126,7 +126,8 @@ class TargetState:
             verdict = verify_tree(drafts, shape, self.rows(logits, [pending], paths), self.seed, start)
         if self.params.logprobs is not None:  # the rows that decided the emitted tokens: the kept path's
             kept = [0, *(node + 1 for node in verdict.path)]
-            self.logprobs = self.entries(logits[kept], [pending], [paths[r] for r in kept], verdict.tokens)
+            kept_paths = [paths[row] for row in kept]
+            self.logprobs = self.logprobs_of(logits[kept], [pending], kept_paths, verdict.tokens)
         if parents is None:
             self.cache.truncate(start + verdict.accepted)
         else:
