@@ -25,13 +25,14 @@ from pipeline.api.errors import ApiError
 from pipeline.api.logprobs_format import LogprobsFormatter
 from pipeline.api.openai import Formatter, decode_request, to_submit
 from pipeline.audit.verify import verify_request
-from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.drafters import NoDraftSource, Proposal
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.grammar.compiler import compile_format
 from pipeline.decoding.logprobs import TokenLogprobs, TopLogprob, likeliest, log_softmax, token_string
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
+from pipeline.decoding.target import TargetState
 from pipeline.model import load_model
 from pipeline.protocol.messages import Chunk, Open
 
@@ -208,6 +209,26 @@ def test_a_stop_string_or_max_tokens_cuts_the_entries_with_the_tokens(native):
     assert cut.logprobs == whole.logprobs[: len(cut.tokens)]
     short = decode(native, prompt, msgspec.structs.replace(params, max_tokens=5), NoDraftSource(), k=0)
     assert short.logprobs == whole.logprobs[:5]
+
+
+def test_a_tree_s_entries_come_from_its_kept_path_s_rows(native):
+    """A tree with a sibling before every node of plain decoding's continuation: each entry is its
+    kept node's row (with that row's own history for the penalty), never the block's first rows."""
+    prompt = repetitive_prompt(3, 12)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, presence_penalty=0.5)
+    plain = decode(native, prompt, params, NoDraftSource(), k=0)
+    state = TargetState(native, params, 0, capacity=64)
+    first, _ = state.prefill(prompt)
+    assert state.logprobs == plain.logprobs[:1]
+    tokens: list[int] = []
+    parents: list[int] = []
+    for token in plain.tokens[1:6]:
+        above = len(tokens) - 1
+        tokens += [4 if token == 3 else 3, token]  # a sibling first, then plain decoding's token
+        parents += [above, above]
+    verdict = state.step(first, Proposal(tokens, parents=parents))
+    assert verdict.tokens == plain.tokens[1:7] and verdict.path == [1, 3, 5, 7, 9]
+    assert state.logprobs == plain.logprobs[1:7]
 
 
 SEEDED = SamplingParams(
