@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import msgspec
 import openai
 import pytest
@@ -30,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import __version__, cli
 from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -39,6 +41,7 @@ from pipeline.observability.trace_files import read_spans, trace_files
 from pipeline.protocol.client import Client
 from pipeline.protocol.config import load_config
 
+from .grammar_cases import TOOL_CALL
 from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
 
 CODE = "Write a Python function that reverses a string, then explain it."
@@ -469,6 +472,74 @@ def test_sampling_controls_and_token_prompts_through_the_openai_client_equal_gen
     with pytest.raises(openai.BadRequestError) as bad:  # the orchestrator knows the vocabulary
         client.completions.create(model=model, prompt="hi", logit_bias={"10000000": 1})
     assert bad.value.param == "logit_bias" and "vocabulary" in bad.value.message
+
+
+STRUCTURED = [  # (prompt, response_format, the schema its output validates against)
+    (
+        'Give me a JSON object with the keys "city" and "country" for Paris.',
+        {"type": "json_object"},
+        {"type": "object"},
+    ),
+    (
+        "What is the weather in Paris? Answer with a tool call.",
+        {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": TOOL_CALL, "strict": True}},
+        TOOL_CALL,
+    ),
+]
+
+
+def structured_chat(client: openai.OpenAI, model: str, prompt: str, fmt: dict, stream: bool, **fields: Any):
+    """The text and finish reason of one chat completion with a response_format."""
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        response = client.chat.completions.create(
+            model=model, messages=messages, response_format=fmt, max_tokens=64, **fields
+        )
+        return response.choices[0].message.content, response.choices[0].finish_reason
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, response_format=fmt, max_tokens=64, stream=True, **fields
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.slow
+def test_structured_output_through_the_openai_client(pipeline, client, model, served_model):
+    """json_object and json_schema, streamed and not, greedy and seeded: every drafter serves exactly
+    in-process plain constrained decoding's text, which parses and validates. Formats that are
+    malformed, that the grammar library refuses, or that come with ignore_eos are 400s naming
+    response_format (the first from the gateway, the second from the orchestrator, which compiles it)."""
+    none = make_draft_source("none", served_model, None)
+    seeded = {"temperature": 0.7, "seed": 3}
+    for prompt, fmt, schema in STRUCTURED:
+        tokens = prompt_tokens(served_model.tokenizer, prompt, chat=True)
+        greedy = SamplingParams(max_tokens=64, response_format=canonical_response_format(fmt))
+        want = decode(served_model, tokens, greedy, none, k=0)
+        assert want.finish_reason == "stop"
+        jsonschema.validate(json.loads(want.text), schema)
+        for drafter, stream in (("none", False), ("auto", True), ("ngram", False), ("suffix", True)):
+            extra = {"speculation": {"drafter": drafter}}
+            got = structured_chat(client, model, prompt, fmt, stream, temperature=0, extra_body=extra)
+            assert got == (want.text, "stop"), drafter
+        sampled = decode(served_model, tokens, msgspec.structs.replace(greedy, **seeded), none, k=0)
+        got = structured_chat(client, model, prompt, fmt, True, **seeded)  # the default drafter, auto
+        assert got == (sampled.text, sampled.finish_reason)
+        if sampled.finish_reason == "stop":
+            jsonschema.validate(json.loads(sampled.text), schema)
+    refused = {
+        "gateway": {"type": "json_schema", "json_schema": {"name": "x"}},
+        "orchestrator": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
+    }
+    for where, fmt in refused.items():
+        with pytest.raises(openai.BadRequestError) as bad:
+            structured_chat(client, model, "hi", fmt, stream=where == "orchestrator")
+        assert bad.value.param == "response_format", where
+    with pytest.raises(openai.BadRequestError) as bad:  # past the grammar's end only EOS may come
+        extra = {"response_format": {"type": "json_object"}, "ignore_eos": True}
+        client.completions.create(model=model, prompt="{", extra_body=extra)
+    assert bad.value.param == "response_format"
 
 
 def _idle(report) -> bool:
