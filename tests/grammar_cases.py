@@ -78,6 +78,51 @@ TOOL_CALL: dict[str, Any] = {
     "additionalProperties": False,
 }
 
+CITY: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "country": {"type": "string"},
+        "population": {"type": "integer", "minimum": 0},
+        "landmarks": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "country", "population", "landmarks"],
+    "additionalProperties": False,
+}
+
+REVIEW: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "product": {"type": "string"},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "pros": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "cons": {"type": "array", "items": {"type": "string"}},
+        "recommended": {"type": "boolean"},
+    },
+    "required": ["product", "rating", "pros", "cons", "recommended"],
+    "additionalProperties": False,
+}
+
+
+def bounded(schema: Any, chars: int = 24, items: int = 2) -> Any:
+    """`schema` with every string at most `chars` long and every array at most `items` long where it
+    sets no bound itself, and integers below a million: a small model sampling at a temperature can
+    otherwise write one string (or number) until max_tokens, and output cut there does not parse."""
+    if isinstance(schema, list):
+        return [bounded(item, chars, items) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded(value, chars, items) for key, value in schema.items()}
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "string" in kinds:
+        out.setdefault("maxLength", chars)
+    if "array" in kinds:
+        out.setdefault("maxItems", items)
+    if "integer" in kinds:
+        out.setdefault("maximum", 999_999)
+    return out
+
+
 SCHEMAS: dict[str, dict[str, Any] | None] = {
     "json_object": None,
     "person": PERSON,
