@@ -27,6 +27,7 @@ def _bench(name: str) -> Callable[[], ModuleType]:
 BENCHES = {
     "model": _bench("model_bench"),
     "speculative": _bench("speculative_bench"),
+    "structured": _bench("structured_bench"),
     "pipeline": _bench("pipeline_bench"),
     "peers": _bench("peers_bench"),
     "tracing": _bench("tracing_bench"),

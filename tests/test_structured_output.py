@@ -230,3 +230,20 @@ def test_audit_verify_applies_the_grammar_masks(models):
     )
     opened = msgspec.structs.replace(greedy[0], settings={**greedy[0].settings, "params": other})
     assert verify_request("req", [opened, *greedy[1:]], target).verdict == "pass"  # the name is only a label
+
+
+def test_bench_structured_checks_identity_and_validity(models, monkeypatch):
+    """`speclanes bench structured` (one small workload here): constrained rows compared with plain
+    constrained decoding and checked as JSON; the free-text row is a speed reference only."""
+    from pipeline.bench import structured_bench
+
+    target, _ = models
+    monkeypatch.setattr(structured_bench, "WORKLOADS", {"flags": (PROMPT_TEXT, FLAGS)})
+    results = structured_bench.run(target, ["none", "ngram"], 1, SamplingParams(max_tokens=120))
+    rows = results["flags"]["drafters"]
+    assert list(rows) == ["free", "none", "ngram"]
+    assert rows["ngram"]["identical_to_none"] and rows["ngram"]["json_problem"] is None
+    assert rows["ngram"]["mean_accepted_length"] > 1 and rows["none"]["speedup"] == 1.0
+    assert rows["free"]["identical_to_none"] is None and not rows["free"]["identity_expected"]
+    table = structured_bench.render(results).splitlines()
+    assert len(table) == 4 and table[-1].split()[:2] == ["flags", "ngram"] and table[-1].endswith("yes")
