@@ -10,6 +10,7 @@ import logging
 
 from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.drafters.registry import make_draft_sources
+from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model import Model, default_model_path, load_model
 from pipeline.protocol.messages import BadMessage, Close, DraftInbox
 from pipeline.protocol.transport import Inbox
@@ -23,7 +24,10 @@ async def serve(lane: LaneContext) -> None:
     target = Model.load(config.model.path or default_model_path())  # memory-mapped: vocabulary checks only
     draft_path, backend = config.model.draft_path, config.model.backend
     draft_model = load_model(draft_path, backend) if draft_path else None
-    server = DraftServer(make_draft_sources(target, draft_model), target.cfg.vocab_size, lane)
+    sources = make_draft_sources(target, draft_model)
+    server = DraftServer(sources, target.cfg.vocab_size, lane, target.tokenizer)
+    if target.tokenizer is not None:
+        warm_up(target.tokenizer)  # a response_format request's drafter follows its grammar
     inbox: Inbox = Inbox(config.bind("draft"), DraftInbox, config.tls)
     results = lane.replies()
     lane.heartbeat()

@@ -25,6 +25,7 @@ import pynng
 import trio
 
 from lanes.lane import LaneContext, lane_main
+from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model.default import default_model_path
 from pipeline.model.store import load_prepared
 from pipeline.observability.metrics import PipelineMetrics
@@ -239,6 +240,7 @@ async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
     path = str(lane.config.model.path or default_model_path())
     config = msgspec.structs.replace(lane.config, model=msgspec.structs.replace(lane.config.model, path=path))
     cfg, _, tokenizer = load_prepared(config.model.path)  # weights stay unmapped
+    warm_up(tokenizer)  # admission compiles every response_format once (a bad schema is a 400)
     names = (*LANES, "gateway") if "gateway" in config.processes() else LANES  # readiness waits for it too
     metrics = PipelineMetrics(lane.telemetry.meter, config.model_id())
     tracing = RequestTracing(lane.telemetry, metrics, config.model_id())

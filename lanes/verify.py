@@ -12,6 +12,7 @@ from pathlib import Path
 import trio
 
 from lanes.lane import LaneContext, lane_main
+from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model import default_model_path, load_model
 from pipeline.model.calibration import stored_row_seconds
 from pipeline.protocol.messages import VerifyInbox
@@ -26,6 +27,8 @@ async def serve(lane: LaneContext) -> None:
     path = Path(config.model.path or default_model_path())
     model = load_model(path, config.model.backend)
     lane.runtime = runtime_report(model)
+    assert model.tokenizer is not None
+    warm_up(model.tokenizer)  # every response_format request's grammar is compiled for it
     verifier = Verifier(model, lane, config.run.prefill_chunk, stored_row_seconds(model, path))
     inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox, config.tls)
     results = lane.replies()

@@ -27,10 +27,21 @@ def _bench(name: str) -> Callable[[], ModuleType]:
 BENCHES = {
     "model": _bench("model_bench"),
     "speculative": _bench("speculative_bench"),
+    "structured": _bench("structured_bench"),
     "pipeline": _bench("pipeline_bench"),
     "peers": _bench("peers_bench"),
     "tracing": _bench("tracing_bench"),
 }
+
+
+def _add_response_format_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--response-format",
+        metavar="JSON",
+        help="structured output, as OpenAI's response_format: "
+        '{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
+        'or {"type": "grammar", "grammar": LARK_OR_GBNF}; @FILE reads it from a file',
+    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -82,6 +93,7 @@ def _add_control_flags(p: argparse.ArgumentParser) -> None:
         "--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
         help="add BIAS (-100 to 100; -100 bans the token) to token id TOKEN's logit (repeatable)",
     )  # fmt: skip
+    _add_response_format_flag(p)
 
 
 def _add_backend_flag(p: argparse.ArgumentParser) -> None:
@@ -189,13 +201,6 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     gen.add_argument(
         "--linear", action="store_true", help="n-gram/suffix drafts as one chain a step, not a token tree"
     )
-    gen.add_argument(
-        "--response-format",
-        metavar="JSON",
-        help="structured output, as OpenAI's response_format: "
-        '{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} '
-        'or {"type": "grammar", "grammar": LARK_OR_GBNF}; @FILE reads it from a file',
-    )
     _add_sampling_flags(gen)
     _add_pipeline_commands(sub)
     bench = sub.add_parser("bench", help="benchmarks (print ratios measured side by side)")
@@ -217,7 +222,7 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling(args: argparse.Namespace, response_format: str | None = None):
+def _sampling(args: argparse.Namespace):
     from pipeline.decoding.sampling import SamplingParams
 
     if args.logprobs is not None and not args.json:  # the entries are part of --json's object
@@ -235,7 +240,7 @@ def _sampling(args: argparse.Namespace, response_format: str | None = None):
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logit_bias=logit_bias(args.logit_bias),
-        response_format=response_format,
+        response_format=response_format_arg(args.response_format),
         logprobs=args.logprobs,
     )
 
@@ -298,7 +303,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pipeline.decoding.speculative import decode
     from pipeline.model.prompts import load_messages, prompt_tokens
 
-    params = _sampling(args, response_format_arg(args.response_format))
+    params = _sampling(args)
     speculation = speculation_args(args)
     messages = load_messages(args.messages) if args.messages else None
     model = load_model(args.model, args.backend)

@@ -1,82 +1,14 @@
-"""Realistic JSON schemas with one valid document each: shared by the grammar tests and by
-ops/bench/grammar_libraries.py (which measured the libraries on them). `json_object` is any
-object: the `response_format` {"type": "json_object"}."""
+"""Realistic JSON schemas (from `pipeline.bench.schemas`) with one valid document each: shared by
+the grammar tests and by ops/bench/grammar_libraries.py (which measured the libraries on them).
+`json_object` is any object: the `response_format` {"type": "json_object"}."""
 
 from __future__ import annotations
 
 from typing import Any
 
-PERSON: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.[a-z]{2,3}$"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "email", "address"],
-    "additionalProperties": False,
-}
+from pipeline.bench.schemas import CITY, ORDER, PERSON, REVIEW, TOOL_CALL, bounded
 
-ORDER: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
-        "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
-        "items": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 5,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "sku": {"type": "string"},
-                    "quantity": {"type": "integer", "minimum": 1},
-                    "unit_price": {"type": "number"},
-                },
-                "required": ["sku", "quantity", "unit_price"],
-                "additionalProperties": False,
-            },
-        },
-        "note": {"type": ["string", "null"]},
-    },
-    "required": ["order_id", "status", "items", "note"],
-    "additionalProperties": False,
-}
-
-TOOL_CALL: dict[str, Any] = {
-    "$defs": {
-        "search": {
-            "type": "object",
-            "properties": {"tool": {"const": "search"}, "query": {"type": "string"}},
-            "required": ["tool", "query"],
-            "additionalProperties": False,
-        },
-        "weather": {
-            "type": "object",
-            "properties": {
-                "tool": {"const": "weather"},
-                "city": {"type": "string"},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["tool", "city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-    "type": "object",
-    "properties": {
-        "thought": {"type": "string", "maxLength": 200},
-        "call": {"anyOf": [{"$ref": "#/$defs/search"}, {"$ref": "#/$defs/weather"}]},
-    },
-    "required": ["thought", "call"],
-    "additionalProperties": False,
-}
+__all__ = ["CITY", "DOCUMENTS", "ORDER", "PERSON", "REVIEW", "SCHEMAS", "TOOL_CALL", "bounded"]
 
 SCHEMAS: dict[str, dict[str, Any] | None] = {
     "json_object": None,

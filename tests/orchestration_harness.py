@@ -88,7 +88,12 @@ class World:
         self.telemetry = MemoryTelemetry(self.readers)
         self.hub = self.new_hub()
         self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
-        self.drafts = DraftServer(make_draft_sources(self.model), self.model.cfg.vocab_size, FakeLane())
+        self.drafts = self.new_draft_server()
+
+    def new_draft_server(self) -> DraftServer:
+        """As the draft lane builds it: with the target's tokenizer, for requests with a response_format."""
+        sources = make_draft_sources(self.model)
+        return DraftServer(sources, self.model.cfg.vocab_size, FakeLane(), self.model.tokenizer)
 
     def new_hub(self) -> Hub:
         tracing = RequestTracing(self.telemetry, PipelineMetrics(self.telemetry.meter, "tiny"), "tiny")
@@ -127,7 +132,7 @@ class World:
         if lane == "verify":
             self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
         if lane == "draft":
-            self.drafts = DraftServer(make_draft_sources(self.model), self.model.cfg.vocab_size, FakeLane())
+            self.drafts = self.new_draft_server()
         self.feed(self.hub.on_control(LaneDown(lane=lane, pid=pid, returncode=-9, restarts=1), self.now))
 
     def fail(self, lane: str, reason: str = "sqlite3.OperationalError: unable to open database file") -> None:

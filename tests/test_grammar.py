@@ -552,16 +552,3 @@ def test_generate_with_a_schema_file(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "stop"
     jsonschema.validate(json.loads(out["text"]), TOOL_CALL)
-
-
-def test_the_pipeline_refuses_a_format_rather_than_ignoring_it(tiny):
-    from pipeline.decoding.speculation import Speculation
-    from pipeline.orchestration.admission import admit
-    from pipeline.protocol.messages import ErrorReply, Submit
-
-    submit = Submit(prompt="hi", params=SamplingParams(response_format=schema_format(FLAGS)))
-    reply = admit(submit, Speculation(), tiny.tokenizer, 256, has_draft_model=False)
-    assert isinstance(reply, ErrorReply) and reply.kind == "bad_request"
-    assert "response_format" in reply.message
-    plain = admit(Submit(prompt="hi"), Speculation(), tiny.tokenizer, 256, has_draft_model=False)
-    assert not isinstance(plain, ErrorReply)

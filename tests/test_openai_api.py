@@ -162,6 +162,19 @@ def test_the_sampling_controls_reach_the_submit():
     assert p.logit_bias == ((7, 2.5), (50256, -100.0))
 
 
+def test_response_format_reaches_the_submit_as_its_canonical_text():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    spec = {"type": "json_schema", "json_schema": {"name": "pair", "schema": schema, "strict": True}}
+    text = submit_of(chat(response_format=spec), True).params.response_format
+    assert json.loads(text) == {"type": "json_schema", "json_schema": {"name": "pair", "schema": schema}}
+    assert list(json.loads(text)["json_schema"]["schema"]["properties"]) == ["b", "a"]  # the output's order
+    on_completions = submit_of(completion(response_format={"type": "json_object"}), False)  # as vLLM
+    assert on_completions.params.response_format == '{"type":"json_object"}'
+    assert submit_of(chat(response_format={"type": "text"}), True).params.response_format is None
+    grammar = {"type": "grammar", "grammar": 'start: "yes" | "no"'}
+    assert json.loads(submit_of(chat(response_format=grammar), True).params.response_format) == grammar
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -185,7 +198,11 @@ def test_the_sampling_controls_reach_the_submit():
         ({"logit_bias": {str(2**70): 1}}, "logit_bias"),  # a key past any vocabulary (and msgpack's ints)
         ({"logit_bias": {"50256": "ban"}}, "logit_bias"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
         ({"speculation": {"drafter": "oracle"}}, "speculation.drafter"),
         ({"speculation": {"k": 99}}, "speculation.k"),

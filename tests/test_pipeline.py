@@ -7,6 +7,7 @@ what it must survive); the supervisor tests start their own.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator
 from functools import cache
 
+import jsonschema
 import msgspec
 import pynng
 import pytest
@@ -28,6 +30,7 @@ from pipeline.audit.store import AuditStore
 from pipeline.audit.verify import verify_request
 from pipeline.bench.common import WORKLOADS
 from pipeline.decoding.drafters.registry import DRAFTERS, make_draft_source
+from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -214,6 +217,67 @@ def test_lane_killed_twice_mid_stream_loses_and_repeats_nothing(
     steps = [step for _, step, kind in rows if kind == "StepEvent"]
     assert steps == list(range(done.stats.steps + 1))  # every step once, the prefill as step 0
     assert sorted(kind for _, _, kind in rows if kind != "StepEvent") == ["RequestOpened", "SpeculativeEvent"]
+
+
+STORY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "lines": {
+            "type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 2, "maxItems": 2,
+        },
+    },
+    "required": ["title", "lines"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_a_verify_lane_killed_mid_stream_of_a_structured_request_changes_nothing(pipeline: Pipeline) -> None:
+    """SIGKILL the verify lane a few tokens into a seeded json_schema request: the restarted lane is
+    re-primed (its grammar walked through the output and the pending token), and the client gets plain
+    seeded constrained decoding's tokens, which validate; the audit trail verifies."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY_SCHEMA}}
+    params = SamplingParams(
+        temperature=0.7, seed=9, max_tokens=200, response_format=canonical_response_format(fmt)
+    )
+    ref = _reference(STORY, params, "none", 0)
+    before = pipeline.lane("verify")
+    killed: list[int] = []  # the token count the client had seen when the lane died
+    emitted = [0]
+
+    def killer() -> None:
+        while emitted[0] < 5:
+            time.sleep(0.01)
+        pid = pipeline.lane("verify").pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed.append(emitted[0])
+
+    def count(chunks) -> None:
+        emitted[0] = sum(len(c.tokens) for c in chunks)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pipeline.client() as client:
+        request_id = client.submit(STORY, chat=True, params=params, drafter="suffix").request_id
+        chunks, done = read_stream(client, request_id, on_chunk=count)
+    assert done.error is None and killed and killed[0] < len(ref.tokens) - 10, (done, killed)  # mid-stream
+    assert [t for c in chunks for t in c.tokens] == ref.tokens and done.text == ref.text
+    assert done.finish_reason == "stop"
+    jsonschema.validate(json.loads(done.text), STORY_SCHEMA)
+    pipeline.wait_until(
+        lambda r: (
+            next(x for x in r.lanes if x.name == "verify").restarts > before.restarts and r.audit_pending == 0
+        ),
+        what="the verify lane restarted and the audit outbox empty",
+    )
+    pipeline.summary(request_id)
+    store = AuditStore(pipeline.config.audit.path, readonly=True)
+    try:
+        events = store.events(request_id)
+    finally:
+        store.close()
+    assert verify_request(request_id, events, _served_model(), None).verdict == "pass"
 
 
 def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None:

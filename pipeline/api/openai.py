@@ -7,7 +7,8 @@ its field (`param`) in the 400 it earns. Unknown fields are ignored, as OpenAI-c
 servers do; known OpenAI features this server lacks (n > 1, tools...) are refused by name
 unless they ask for nothing (n = 1). The sampling controls (OpenAI's logit_bias, presence and
 frequency penalties; vLLM's top_k, min_p, repetition_penalty) are served, exactly under
-speculation (`decoding.controls`), and so are log-probabilities (`api.logprobs_format`).
+speculation (`decoding.controls`), and so are log-probabilities (`api.logprobs_format`) and
+`response_format` (`decoding.grammar`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 from pipeline.api.chat_messages import ChatMessage, chat_messages
 from pipeline.api.errors import ApiError, decode_json
 from pipeline.api.logprobs_format import LogprobsFormatter, requested
+from pipeline.decoding.grammar.format import ResponseFormatError, canonical_response_format
 from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
@@ -101,6 +103,8 @@ class _Request(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None  # extension (vLLM)
     logprobs: bool | int | None = None  # chat: true or false; completions: how many alternatives
     top_logprobs: int | None = None  # chat: how many alternatives (with logprobs: true)
+    # Structured output (`decoding.grammar`): chat in OpenAI's API, completions too as vLLM has it.
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -114,7 +118,6 @@ class ChatRequest(_Request, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def decode_request(body: bytes, chat: bool) -> CompletionRequest | ChatRequest:
@@ -128,8 +131,7 @@ def _neutral(req: CompletionRequest | ChatRequest) -> None:
     if isinstance(req, CompletionRequest):
         asks |= {"best_of": req.best_of not in (None, 1), "echo": bool(req.echo), "suffix": bool(req.suffix)}
     else:
-        kind = (req.response_format or {}).get("type", "text")
-        asks |= {"tools": bool(req.tools), "response_format": kind != "text"}
+        asks |= {"tools": bool(req.tools)}
     for name, asked in asks.items():
         if asked:
             detail = "only n = 1 is supported" if name == "n" else f"{name} is not supported by this server"
@@ -163,6 +165,7 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
             stop=stop,
             ignore_eos=bool(req.ignore_eos),
             logprobs=requested(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs),
+            response_format=_response_format(req.response_format),
             **_controls(req),
         )
     except ValueError as exc:  # SamplingParams names the setting first ("top_p must be ...")
@@ -186,6 +189,16 @@ def _controls(req: CompletionRequest | ChatRequest) -> dict[str, Any]:
         except ValueError:
             raise ApiError(400, "logit_bias keys must be token ids, as strings", param="logit_bias") from None
     return controls
+
+
+def _response_format(value: dict[str, Any] | None) -> str | None:
+    """OpenAI's `response_format` (json_object, json_schema) or this server's grammar extension, as the
+    canonical text `SamplingParams` carries; its shape is checked here, the schema by the orchestrator
+    (the grammar library compiles it there)."""
+    try:
+        return canonical_response_format(value)
+    except ResponseFormatError as exc:
+        raise ApiError(400, str(exc), param="response_format") from None
 
 
 def _speculation(options: SpeculationOptions | None) -> dict[str, Any]:

@@ -231,7 +231,8 @@ class Gateway:
             submitted = await self.client.request(submit)
         except PipelineError as exc:
             param = "messages" if isinstance(req, ChatRequest) else "prompt"
-            param = "logit_bias" if exc.message.startswith("logit_bias") else param
+            # The orchestrator's refusals that concern one field start with its name.
+            param = next((f for f in ("logit_bias", "response_format") if exc.message.startswith(f)), param)
             raise pipeline_error(exc.kind, exc.message, param) from None
         generation = Generation(self, submitted.request_id)
         fmt = Formatter(

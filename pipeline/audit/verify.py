@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from pipeline.audit.grammar import GrammarReplay, format_problem, replay_matcher
 from pipeline.decoding.acceptance import Decision, residual
 from pipeline.decoding.controls import chain_paths, shaped_logits, uses_context
 from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
@@ -304,6 +305,8 @@ class Verifier:
             None if draft is None else self.target_rows if draft is target else RowSource(draft, sequence)
         )
         self.max_q_error = self.max_p_error = 0.0
+        matcher = replay_matcher(target, self.params.response_format)  # checked by `settings_problem`
+        self.grammar = None if matcher is None else GrammarReplay(matcher)
 
     def run(self) -> list[StepVerdict]:
         verdicts: list[StepVerdict] = []
@@ -320,8 +323,13 @@ class Verifier:
                 verdict.problems.append(f"a token id outside the model's vocabulary [0, {self.vocab})")
                 break  # the target cannot be run past it
             verdict.problems += structure_problems(step) if expected else self.first_step_shape(step)
+            if self.grammar is not None and not verdict.problems:
+                verdict.problems += [p for p in [self.grammar.start(step.emitted[:accepted])] if p]
             if not verdict.problems:
                 self.check_numbers(step, position, verdict)
+            if self.grammar is not None and (problem := self.grammar.finish(step.emitted)) is not None:
+                verdict.problems.append(problem)
+                break  # the grammar's state is lost: later masks cannot be derived
             sampling_drafter = uses_draft_rows(step, self.params)
             for got, at, purpose in keyed_numbers(step, position + 1, sampling_drafter):
                 if got != (want := uniform(self.seed, at, purpose)):
@@ -341,7 +349,8 @@ class Verifier:
         """q and p against recomputed rows, the rule on recorded numbers, and the final draw."""
         params, decisions = self.params, step.decisions
         accepted = verdict.accepted
-        logits = self.shaped(self.target_rows.rows(position, position + accepted), position, step)
+        logits = self.target_rows.rows(position, position + accepted)
+        logits = self.shaped(logits if self.grammar is None else self.grammar.target(logits), position, step)
         q_rows = target_probs(logits, params)
         p_rows: np.ndarray | None = None
         if uses_draft_rows(step, params):
@@ -350,6 +359,7 @@ class Verifier:
             else:
                 draft_logits = self.draft_rows.rows(position, position + accepted)
                 p_rows = target_probs(self.shaped(draft_logits, position, step), params)
+                p_rows = p_rows if self.grammar is None else self.grammar.draft(p_rows, step.drafted)
         for i, d in enumerate(decisions):
             where = f"position {i} (draft {d.draft_token})"
             if params.greedy:
@@ -444,10 +454,12 @@ def served_problems(record: Record, tokenizer: Tokenizer) -> list[str]:
 
 def settings_problem(opened: RequestOpened, target: Runtime) -> str | None:
     try:
-        msgspec.convert(opened.settings["params"], SamplingParams)
+        params = msgspec.convert(opened.settings["params"], SamplingParams)
         int(opened.settings["seed"])
     except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
         return f"the recorded settings are unusable: {exc!r}"
+    if (problem := format_problem(target, params.response_format)) is not None:
+        return problem
     prompt = opened.prompt_tokens
     if not prompt or any(not 0 <= t < target.cfg.vocab_size for t in prompt):
         return "the recorded prompt is empty or has token ids outside the model's vocabulary"

@@ -100,6 +100,21 @@ class TargetState:
         (the target would reject them anyway). Call before the forward over [pending, *tokens]."""
         return draft if self.grammar is None else self.grammar.cut(draft)
 
+    def narrow(self, draft: Proposal) -> tuple[Proposal, list[int] | None]:
+        """`constrain`, and the indices in `draft` of the nodes it kept (None: all of them). The verify
+        lane reports them, so the side that sent the draft books only what was verified."""
+        if self.grammar is None:
+            return draft, None
+        cut, keep = self.grammar.cut_nodes(draft)
+        return cut, None if len(keep) == len(draft.tokens) else keep
+
+    def resume(self, output: Sequence[int]) -> None:
+        """A re-primed state (its cache rebuilt from the accepted prefix, nothing sampled): the grammar
+        moves past the output so far, the pending token included, where the lost state stood. Raises
+        `GrammarViolation` if the grammar forbids a token of it."""
+        if self.grammar is not None:
+            self.grammar.commit(output)
+
     def step(self, pending: int, draft: Proposal) -> Verdict:
         """One verify step on its own: the forward over [pending, *draft] (a chain or a tree), then
         `conclude` (the verify lane batches forwards and calls `conclude` itself)."""

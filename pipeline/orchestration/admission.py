@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.decoding.controls import vocabulary_problem
+from pipeline.decoding.grammar.format import ResponseFormatError
 from pipeline.decoding.sampling import request_seed
 from pipeline.decoding.session import PromptError, check_prompt
 from pipeline.decoding.speculation import Speculation, SpeculationError
@@ -20,6 +21,9 @@ MAX_KEY_CHARS = 256  # idempotency_key, owner ("gateway:<pid>")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # token ids a logit_bias may name (a few hundred cover any practical use)
+# A response_format's canonical JSON (a schema or grammar): as much as the stop strings may take.
+# Realistic schemas are a few KiB; a 135M-parameter model follows nothing near this size.
+MAX_FORMAT_CHARS = MAX_STOP_STRINGS * MAX_STOP_CHARS
 
 
 def oversized(msg: Submit) -> str | None:
@@ -34,6 +38,8 @@ def oversized(msg: Submit) -> str | None:
         return f"each stop string must be at most {MAX_STOP_CHARS} characters"
     if len(msg.params.logit_bias) > MAX_LOGIT_BIAS:
         return f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(msg.params.logit_bias)}"
+    if len(fmt := msg.params.response_format or "") > MAX_FORMAT_CHARS:
+        return f"response_format must be at most {MAX_FORMAT_CHARS} characters of JSON here, got {len(fmt)}"
     return None
 
 
@@ -50,6 +56,21 @@ def request_tokens(msg: Submit, tokenizer: Tokenizer) -> list[int]:
     return list(msg.prompt_token_ids)
 
 
+def format_problem(response_format: str | None, tokenizer: Tokenizer) -> str | None:
+    """Why the grammar library refuses the request's format (a schema it cannot follow), if it does:
+    compiled once here, so the client hears it as a 400 before the request is admitted rather than
+    as a failure from a lane. The lanes compile the same text again (cached per process)."""
+    if response_format is None:
+        return None
+    from pipeline.decoding.grammar.compiler import compile_format  # llguidance loads only when used
+
+    try:
+        compile_format(tokenizer, response_format, tokenizer.vocab_size)
+    except ResponseFormatError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class Admitted:
     tokens: list[int]
@@ -62,11 +83,6 @@ def admit(
 ) -> Admitted | ErrorReply:
     if (problem := oversized(msg)) is not None:
         return ErrorReply(kind="bad_request", message=problem)
-    if msg.params.response_format is not None:  # the lanes do not apply grammars yet: refuse, never ignore
-        return ErrorReply(
-            kind="bad_request",
-            message="response_format is not served by the pipeline yet (speclanes generate has it)",
-        )
     try:
         speculation = defaults.overridden(drafter=msg.drafter, k=msg.k, max_iterations=msg.max_iterations)
     except SpeculationError as exc:
@@ -80,6 +96,8 @@ def admit(
     except (ValueError, KeyError, TypeError) as exc:
         return ErrorReply(kind="bad_request", message=f"cannot build the prompt: {exc}")
     if (problem := vocabulary_problem(msg.params, tokenizer.vocab_size)) is not None:
+        return ErrorReply(kind="bad_request", message=problem)
+    if (problem := format_problem(msg.params.response_format, tokenizer)) is not None:
         return ErrorReply(kind="bad_request", message=problem)
     try:
         check_prompt(tokens, context_length)

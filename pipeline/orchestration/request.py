@@ -16,13 +16,14 @@ records: a restarted orchestrator carries on from the last step any client can h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.result import Result
 from pipeline.decoding.session import Session
-from pipeline.decoding.tree import check, step_shape
+from pipeline.decoding.tree import chain, check, select, step_shape
 from pipeline.orchestration.effects import (
     DraftLaneSlow,
     Effect,
@@ -261,8 +262,8 @@ class RequestMachine:
         return [Journaled(record), FirstToken(record.verify_seconds), event, *self._advance(now)]
 
     def _verified(self, msg: Verified, now: float) -> list[Effect]:
-        planned = self.planned
-        assert planned is not None
+        assert self.planned is not None
+        planned = self.planned = verified_part(self.planned, msg.verified)
         depth, offered = step_shape(planned.parents, planned.shares, len(planned.drafts), msg.path)
         record = StepRecord(
             msg.step, len(planned.drafts), list(msg.tokens), msg.accepted, planned.draft_seconds,
@@ -306,7 +307,7 @@ class RequestMachine:
             Open(
                 request_id=self.id, step=self.step, tokens=session.context[:-1], params=session.params,
                 seed=self.who.seed, draws=self.draws, sample=False, capacity=session.capacity(),
-                prompt_length=len(session.prompt_tokens), trace=self.who.trace,
+                prompt_length=len(session.prompt_tokens), pending=session.context[-1], trace=self.who.trace,
             ),
             now,
         )  # fmt: skip
@@ -339,6 +340,20 @@ class RequestMachine:
         tokens = self.session.out.tokens[before:]
         if text or tokens:
             self.chunks.append(Chunk(len(self.chunks), text, tokens, self.session.logprobs[before:]))
+
+
+def verified_part(planned: Planned, verified: list[int] | None) -> Planned:
+    """The part of the planned draft the verify lane ran (`Verified.verified`: a grammar cut the
+    nodes it forbids before the forward). The stats, the controller and the audit trail book that
+    part only: nodes never offered to the target are neither drafted nor rejected."""
+    if verified is None:
+        return planned
+    tokens = tuple(planned.drafts[i] for i in verified)
+    parents = select(chain(len(planned.drafts)) if planned.parents is None else planned.parents, verified)
+    shares = None if planned.shares is None else [planned.shares[i] for i in verified]
+    rows = None if planned.rows is None or not tokens else Rows.of(planned.rows.array()[: len(tokens)])
+    shape = None if parents == chain(len(tokens)) else parents
+    return dataclasses.replace(planned, drafts=tokens, parents=shape, shares=shares, rows=rows)
 
 
 def proposal_of(msg: Drafted, request_id: str) -> tuple[Proposal, list[Effect]]:

@@ -81,7 +81,9 @@ class Open(Work, frozen=True, kw_only=True):
     """Prefill `tokens` into a fresh KV cache. A new request samples its first token from
     the last position; a re-prime after a verifier restart (`sample=False`) feeds the
     accepted prefix and fast-forwards the random stream by `draws`. `prompt_length` says where
-    the prompt ends in `tokens` (None: all of them), so penalties tell prompt from output."""
+    the prompt ends in `tokens` (None: all of them), so penalties tell prompt from output. A
+    re-prime also names `pending`, the newest output token (the next Verify feeds it): a grammar
+    (`params.response_format`) must stand after the whole output, that token included."""
 
     tokens: list[int]
     params: SamplingParams
@@ -90,6 +92,7 @@ class Open(Work, frozen=True, kw_only=True):
     sample: bool = True
     capacity: int = 0
     prompt_length: int | None = None
+    pending: int | None = None
 
 
 class Verify(Work, frozen=True, kw_only=True):
@@ -149,7 +152,10 @@ class Verified(Work, frozen=True, kw_only=True):
     batch_size: int
     seconds: float
     backend: str = ""
-    path: list[int] = []  # the draft nodes kept, root first
+    path: list[int] = []  # the verified nodes kept, root first (indices among `verified`)
+    # The draft nodes the forward ran, as indices into the Verify's drafts (None: all of them). A
+    # grammar cuts the nodes it forbids before the forward: they were never offered to the target.
+    verified: list[int] | None = None
     logprobs: list[TokenLogprobs] = []  # one per token of `tokens`, when `params.logprobs` asks
 
 

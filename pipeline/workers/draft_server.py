@@ -17,6 +17,8 @@ import numpy as np
 from pipeline.decoding.adaptive import K_LIMIT
 from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource
+from pipeline.decoding.grammar.drafting import following
+from pipeline.model.tokenizer import Tokenizer
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
 from pipeline.workers.reporting import LaneReporter, step_failed
 
@@ -32,8 +34,14 @@ class ActiveDraft:
 
 
 class DraftServer:
-    def __init__(self, sources: dict[str, DraftSource], vocab_size: int, lane: LaneReporter) -> None:
-        self.sources, self.vocab_size, self.lane = sources, vocab_size, lane
+    """`tokenizer`: the target's, for requests with a response_format (their drafters put the grammar's
+    forced tokens first); without it such requests get the drafters' proposals alone."""
+
+    def __init__(
+        self, sources: dict[str, DraftSource], vocab_size: int, lane: LaneReporter,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:  # fmt: skip
+        self.sources, self.vocab_size, self.lane, self.tokenizer = sources, vocab_size, lane, tokenizer
         self.active: OrderedDict[str, ActiveDraft] = OrderedDict()
 
     def problem(self, msg: DraftRequest) -> str | None:
@@ -63,13 +71,20 @@ class DraftServer:
                 span.set_attribute("speclanes.drafter", reply.drafter)
             return reply
 
+    def start(self, msg: DraftRequest, prompt: list[int]) -> Drafter:
+        """The request's drafter: with a response_format, behind the grammar's forced tokens."""
+        drafter = self.sources[msg.drafter].start(prompt, msg.params, msg.seed)
+        if self.tokenizer is None:
+            return drafter
+        fmt = msg.params.response_format
+        return following(drafter, fmt, self.tokenizer, self.vocab_size, msg.prompt_length)
+
     def propose(self, msg: DraftRequest, active: ActiveDraft | None) -> Drafted | StepFailed:
         start = time.perf_counter()
         try:
             if active is None:
                 prompt = msg.context[: msg.prompt_length]
-                source = self.sources[msg.drafter]
-                active = ActiveDraft(source.start(prompt, msg.params, msg.seed), msg.prompt_length)
+                active = ActiveDraft(self.start(msg, prompt), msg.prompt_length)
                 self.active[msg.request_id] = active
                 while len(self.active) > MAX_REQUESTS:
                     self.active.popitem(last=False)

@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.decoding.controls import vocabulary_problem
+from pipeline.decoding.drafters import Proposal
 from pipeline.decoding.target import TargetState
 from pipeline.decoding.tree import check, rows_parents
 from pipeline.model import Runtime, backend_key
 from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.protocol.messages import BadMessage, Close, Open, Opened, StepFailed, Verified, Verify
+from pipeline.workers.grammar import opened_target
 from pipeline.workers.reporting import LaneReporter, step_failed
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ class Request:
     reply: Opened | Verified | None = None
     probs: np.ndarray | None = None  # the admitted step's draft rows, decoded and checked
     seen: float = field(default_factory=time.monotonic)
+    # The admitted step's draft as the forward runs it (the grammar's cut), and which of the sent
+    # nodes that is (None: all).
+    draft: Proposal = field(default_factory=lambda: Proposal([]))
+    verified: list[int] | None = None
 
 
 class Verifier:
@@ -97,10 +103,9 @@ class Verifier:
             return step_failed(self.lane, msg, "bad_request", problem)
         self.requests.pop(msg.request_id, None)
         capacity = max(min(msg.capacity, context), len(msg.tokens) + 1)
-        target = TargetState(
-            self.model, msg.params, msg.seed, draws=msg.draws, capacity=capacity,
-            prompt_length=msg.prompt_length,
-        )  # fmt: skip
+        target = opened_target(self.model, msg, capacity)
+        if isinstance(target, str):
+            return step_failed(self.lane, msg, "bad_request", target)
         self.prefilling[msg.request_id] = Prefill(msg, target, time.time_ns())
         return None
 
@@ -179,6 +184,8 @@ class Verifier:
                 return step_failed(self.lane, msg, "bad_request", str(exc))
         else:
             request.probs = None
+        proposal = Proposal(msg.drafts, request.probs, "", msg.parents)
+        request.draft, request.verified = request.target.narrow(proposal)  # the grammar's cut
         return request
 
     def step(self, batch: list[tuple[Verify, Request]]) -> list[Opened | Verified | StepFailed]:
@@ -190,8 +197,8 @@ class Verifier:
         work = [
             (
                 request.target.cache,
-                [msg.pending, *msg.drafts],
-                None if msg.parents is None else rows_parents(msg.parents),
+                [msg.pending, *request.draft.tokens],
+                None if request.draft.parents is None else rows_parents(request.draft.parents),
             )
             for msg, request in batch
         ]
@@ -221,22 +228,22 @@ class Verifier:
         self, batch: list[tuple[Verify, Request]], all_logits: list[np.ndarray], start: float, start_ns: int
     ) -> list[Verified]:
         replies: list[Verified] = []
-        rows = sum(1 + len(msg.drafts) for msg, _ in batch)
+        rows = sum(1 + len(request.draft.tokens) for _, request in batch)
         for (msg, request), logits in zip(batch, all_logits, strict=True):
-            target = request.target
-            verdict = target.conclude(logits, msg.drafts, request.probs, msg.parents, pending=msg.pending)
+            target, draft = request.target, request.draft
+            verdict = target.conclude(logits, draft.tokens, draft.probs, draft.parents, pending=msg.pending)
             request.step = msg.step
             request.reply = Verified(
                 request_id=msg.request_id, step=msg.step, trace=msg.trace,
                 tokens=verdict.tokens, accepted=verdict.accepted, decisions=verdict.decisions,
                 final_u=verdict.final_u, draws=request.target.draws, batch_size=len(batch),
                 seconds=time.perf_counter() - start, backend=self.backend, path=verdict.path,
-                logprobs=target.logprobs,
+                logprobs=target.logprobs, verified=request.verified,
             )  # fmt: skip
             replies.append(request.reply)
             self.trace_step(msg, request.reply, start_ns, rows)
             state = self.lane.state
-            state.drafted += len(msg.drafts)
+            state.drafted += len(draft.tokens)
             state.accepted += verdict.accepted
         self.lane.state.batches += 1
         self.lane.state.batched_rows += rows

@@ -12,6 +12,7 @@ copy of the compiled matcher.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from functools import lru_cache
@@ -39,6 +40,21 @@ def bound_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
                 raise ResponseFormatError("response_format needs a model with an end-of-sequence token")
             _bound[tokenizer] = llguidance.LLTokenizer(tokenizer.hf.to_str(), eos_token=tokenizer.eos_id)
         return _bound[tokenizer]
+
+
+def warm_up(tokenizer: Tokenizer) -> threading.Thread:
+    """Bind `tokenizer` in the background, as a process that may serve structured output starts: the
+    first request with a format then finds it bound (or waits for the lock) instead of stalling its
+    lane for half a second (llguidance holds the GIL while it binds, so the process pauses once, at
+    start-up). A model without an end-of-sequence token is left unbound: its requests are refused."""
+
+    def bind() -> None:
+        with contextlib.suppress(ResponseFormatError):
+            bound_tokenizer(tokenizer)
+
+    thread = threading.Thread(target=bind, name="grammar-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def grammar_source(fmt: ResponseFormat) -> str:

@@ -111,6 +111,11 @@ class Constraint:
     def cut(self, draft: Proposal) -> Proposal:
         """The draft without the nodes the grammar forbids and their descendants; the masks of what
         is left are kept for `constrain`."""
+        return self.cut_nodes(draft)[0]
+
+    def cut_nodes(self, draft: Proposal) -> tuple[Proposal, list[int]]:
+        """`cut`, and the indices in `draft` of the nodes it keeps (ascending): whoever sent the
+        draft learns from them which of its nodes were verified."""
         parents = chain(len(draft.tokens)) if draft.parents is None else draft.parents
         masks, keep = mask_tree(self.matcher, draft.tokens, parents)
         kept_parents = select(parents, keep)
@@ -118,10 +123,10 @@ class Constraint:
         shape = None if kept_parents == chain(len(keep)) else kept_parents
         self._block = (tokens, shape, masks)
         if len(keep) == len(draft.tokens):
-            return draft
+            return draft, keep
         probs = None if draft.probs is None else draft.probs[: len(keep)]  # sampled drafts are chains
         shares = None if draft.shares is None else [draft.shares[i] for i in keep]
-        return Proposal(tokens, probs, draft.drafter, shape, shares)
+        return Proposal(tokens, probs, draft.drafter, shape, shares), keep
 
     def masks(self, drafts: Sequence[int], parents: Sequence[int] | None = None) -> np.ndarray:
         """(len(drafts) + 1, vocab) masks for a block, from the last `cut` when it was this block."""
