@@ -4,8 +4,8 @@ the pipeline's chunks and final object in, OpenAI chunks, responses and errors o
 Kept apart from the HTTP server (lanes/gateway.py) so every mapping is testable without
 sockets. Request bodies are decoded by msgspec into typed structs, so a wrong type names
 its field (`param`) in the 400 it earns. Unknown fields are ignored, as OpenAI-compatible
-servers do; known OpenAI features this server lacks (n > 1, logprobs, tools...) are refused by
-name unless they ask for nothing (n = 1, logprobs false). The sampling controls (OpenAI's
+servers do; known OpenAI features this server lacks (logprobs, tools...) are refused by
+name unless they ask for nothing (logprobs false); `n` is api/choices.py's. The sampling controls (OpenAI's
 logit_bias, presence and frequency penalties; vLLM's top_k, min_p, repetition_penalty) are
 served, exactly under speculation (`decoding.controls`).
 """
@@ -123,7 +123,6 @@ def decode_request(body: bytes, chat: bool) -> CompletionRequest | ChatRequest:
 def _neutral(req: CompletionRequest | ChatRequest) -> None:
     """Refuse, by name, what this server cannot do, unless the request asks for nothing."""
     asks = {
-        "n": req.n not in (None, 1),
         "logprobs": bool(req.logprobs),
         "top_logprobs": bool(req.top_logprobs),
     }
@@ -134,8 +133,9 @@ def _neutral(req: CompletionRequest | ChatRequest) -> None:
         asks |= {"tools": bool(req.tools), "response_format": kind != "text"}
     for name, asked in asks.items():
         if asked:
-            detail = "only n = 1 is supported" if name == "n" else f"{name} is not supported by this server"
-            raise ApiError(400, detail, param=name, code="unsupported_parameter")
+            raise ApiError(
+                400, f"{name} is not supported by this server", param=name, code="unsupported_parameter"
+            )
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
