@@ -173,7 +173,6 @@ def test_the_sampling_controls_reach_the_submit():
         ({"temperature": "hot"}, "temperature"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"stream": "yes"}, "stream"),
-        ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),

@@ -14,8 +14,8 @@ choices that finished).
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import trio
 from starlette.background import BackgroundTask
@@ -28,6 +28,7 @@ from pipeline.api.errors import ApiError
 from pipeline.api.openai import DONE_EVENT, Formatter, event, failure, pipeline_error
 from pipeline.decoding.result import Result
 from pipeline.protocol.client import PipelineError
+from pipeline.protocol.messages import Submit
 
 
 class Choice(Protocol):
@@ -35,6 +36,33 @@ class Choice(Protocol):
 
     def items(self) -> AsyncIterator[Any]: ...
     async def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=Choice)
+
+
+async def open_choices(
+    submits: list[Submit], start: Callable[[Submit], Awaitable[tuple[C, int]]]
+) -> list[tuple[C, int]]:
+    """Every choice's request submitted at once (`start`: a choice and the prompt's length, or an
+    ApiError). If one is refused, those already in are cancelled and the refusal is the answer."""
+    opened: dict[int, tuple[C, int]] = {}
+    refused: list[ApiError] = []
+
+    async def one(index: int, submit: Submit) -> None:
+        try:
+            opened[index] = await start(submit)
+        except ApiError as exc:
+            refused.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for index, submit in enumerate(submits):
+            nursery.start_soon(one, index, submit)
+    if refused:
+        for choice, _ in opened.values():
+            await choice.close()
+        raise refused[0]
+    return [opened[i] for i in range(len(submits))]
 
 
 class Fanout:

@@ -36,7 +36,7 @@ from pipeline.api import tokenize as token_api
 from pipeline.api.body import read_body
 from pipeline.api.choices import choice_count, choice_submits
 from pipeline.api.errors import ApiError
-from pipeline.api.fanout import ChoicesStream, Fanout
+from pipeline.api.fanout import ChoicesStream, Fanout, open_choices
 from pipeline.api.health import Health, judge, unreachable
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.openai import (
@@ -258,32 +258,18 @@ class Gateway:
     async def generate_choices(
         self, request: Request, req: ChatRequest | CompletionRequest, submit: Submit, n: int
     ) -> Response:
-        """`n` > 1: n pipeline requests submitted at once (api/choices.py), merged (api/fanout.py).
-        If one is refused, those already in are cancelled and the response is that refusal."""
+        """`n` > 1: n pipeline requests (api/choices.py), submitted at once, merged (api/fanout.py)."""
         base = uuid.uuid4().hex
-        opened: dict[int, tuple[Generation, int]] = {}  # index -> its request, the prompt's length
-        refused: list[ApiError] = []
 
-        async def one(index: int, choice: Submit) -> None:
-            try:
-                submitted = await self.submit(req, choice)
-                opened[index] = (Generation(self, submitted.request_id), submitted.prompt_tokens)
-            except ApiError as exc:
-                refused.append(exc)
+        async def start(choice: Submit) -> tuple[Generation, int]:
+            submitted = await self.submit(req, choice)
+            return Generation(self, submitted.request_id), submitted.prompt_tokens
 
-        async with trio.open_nursery() as nursery:
-            for index, choice in enumerate(choice_submits(submit, n, base)):
-                nursery.start_soon(one, index, choice)
-        generations = [opened[i][0] for i in sorted(opened)]
-        if refused:
-            for generation in generations:
-                await generation.close()
-            raise refused[0]
+        opened = await open_choices(choice_submits(submit, n, base), start)
         fmt = Formatter(isinstance(req, ChatRequest), base, self.model, int(time.time()), opened[0][1])
-        fanout = Fanout(generations, fmt)
+        fanout = Fanout([generation for generation, _ in opened], fmt)
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return ChoicesStream(fanout, include_usage)
+            return ChoicesStream(fanout, req.stream_options is not None and req.stream_options.include_usage)
         return JSONResponse(await fanout.collect(request))
 
     async def events(

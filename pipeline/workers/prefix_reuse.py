@@ -85,37 +85,42 @@ class PrefixReuse:
     ) -> list[tuple[Job, list[int]]]:
         """This forward's share of the prompts being fed, oldest first, at most `budget` rows,
         after each has copied what the caches here hold of it; one that a prompt ahead of it will
-        soon cover waits for it instead."""
+        soon cover waits for it instead (and copies once, when it is done waiting)."""
         chunks: list[tuple[Job, list[int]]] = []
         for index, job in enumerate(jobs):
             if budget <= 0:
                 break
             if self.enabled:
                 fed = [Holder(other.tokens[: other.fed], other.cache) for other in jobs if other is not job]
-                self.adopt(job, [*holders, *fed])
-                if self.waits(job, jobs[:index]):
+                source, length = best_holder(job, [*holders, *fed])
+                if self.waits(job, jobs[:index], length):
                     continue
+                if source is not None:
+                    self.adopt(job, source, length)
             chunk = job.next_chunk(budget)
             chunks.append((job, chunk))
             budget -= len(chunk)
         return chunks
 
-    def adopt(self, job: Feeding, holders: Sequence[Holder]) -> int:
-        """Copy the longest prefix of `job`'s prompt that a holder has beyond what `job` holds;
-        the positions gained."""
-        best, source = job.fed, None
-        for holder in holders:
-            if holder.held > best and (length := reusable(job.tokens, holder.tokens[: holder.held])) > best:
-                best, source = length, holder
-        if source is None:
-            return 0
-        job.cache.adopt(source.cache, best)
-        gained, job.fed = best - job.fed, best
+    def adopt(self, job: Feeding, source: Holder, length: int) -> None:
+        job.cache.adopt(source.cache, length)
+        gained, job.fed = length - job.fed, length
         job.reused += gained
         self.reused += gained
-        return gained
 
-    def waits(self, job: Feeding, ahead: Sequence[Feeding]) -> bool:
-        """Whether a prompt ahead of `job` will hold at least half of what `job` has left to feed."""
-        left = len(job.tokens) - job.fed
-        return any(2 * (reusable(job.tokens, other.tokens) - job.fed) >= left > 0 for other in ahead)
+    @staticmethod
+    def waits(job: Feeding, ahead: Sequence[Feeding], held: int) -> bool:
+        """Whether a prompt ahead of `job` will hold at least half of what `job` has left to feed
+        once it has copied `held` positions."""
+        left = len(job.tokens) - held
+        return any(2 * (reusable(job.tokens, other.tokens) - held) >= left > 0 for other in ahead)
+
+
+def best_holder(job: Feeding, holders: Sequence[Holder]) -> tuple[Holder | None, int]:
+    """The holder of the longest prefix of `job`'s prompt beyond what `job` holds, and its length
+    (`job.fed` and None if no holder has more)."""
+    best, source = job.fed, None
+    for holder in holders:
+        if holder.held > best and (length := reusable(job.tokens, holder.tokens[: holder.held])) > best:
+            best, source = length, holder
+    return source, best
