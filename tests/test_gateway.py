@@ -636,6 +636,12 @@ def test_n_greedy_choices_each_equal_one_request_and_share_one_prefill(
     assert ids == [f"{base}-{i}" for i in range(3)]
     pipeline.wait_until(lambda r: reused(pipeline) > before, what="the verify lane's next heartbeat")
     assert reused(pipeline) - before == 2 * (n_prompt - 1)
+    with urllib.request.urlopen(f"{pipeline.gateway_url}/metrics", timeout=30) as scraped:
+        families = text_string_to_metric_families(scraped.read().decode())
+        counted = [
+            s.value for f in families for s in f.samples if s.name == "speclanes_prompt_reused_tokens_total"
+        ]
+    assert counted == [reused(pipeline)]
     assert cli_json(pipeline, capsys, "audit", "show", f"{response.id}-2")["request_id"] == ids[2]
 
 
