@@ -415,9 +415,10 @@ def test_error_statuses_through_the_openai_client(pipeline, client, model):
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-4o", messages=messages)
     assert caught.value.status_code == 404 and caught.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=model, messages=messages, n=2)
-    assert bad.value.param == "n"
+    for n in (0, 17):  # gateway.max_choices is 16
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=model, messages=messages, n=n)
+        assert bad.value.param == "n"
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt="hi", temperature=-1)
     assert bad.value.param == "temperature"
@@ -790,6 +791,99 @@ def test_ctrl_c_on_stream_cancels_its_request_at_once(pipeline):
     assert time.monotonic() - interrupted < 5
     done = pipeline.summary(request_id)
     assert done.finish_reason == "cancelled" and len(done.tokens) < 2000
+
+
+def reused(pipeline: Pipeline) -> int:
+    return pipeline.lane("verify").totals.prompt_tokens_reused
+
+
+@pytest.mark.slow
+def test_n_greedy_choices_each_equal_one_request_and_share_one_prefill(
+    pipeline, client, model, reference, capsys
+):
+    """n = 3, greedy: three times the n = 1 text, usage counting the prompt once, each choice a
+    request of its own (`audit show` takes its id), and the verify lane copied the prompt's K/V
+    for two of them (all but the last token each) instead of computing it."""
+    ref, n_prompt = reference(PROMPTS[2], max_tokens=16)
+    pipeline.wait_until(_idle, what="no request left from earlier tests")
+    before = reused(pipeline)
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[2]}], n=3, max_tokens=16, temperature=0,
+        extra_body={"speculation": {"drafter": "ngram", "k": 4}},
+    )  # fmt: skip
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(
+        (c.message.content, c.finish_reason) == (ref.text, ref.finish_reason) for c in response.choices
+    )
+    assert response.usage is not None and response.usage.prompt_tokens == n_prompt
+    assert response.usage.completion_tokens == 3 * len(ref.tokens)
+    base = response.id.removeprefix("chatcmpl-")
+    ids = [c.model_extra["speculation"]["request_id"] for c in response.choices]
+    assert ids == [f"{base}-{i}" for i in range(3)]
+    pipeline.wait_until(lambda r: reused(pipeline) > before, what="the verify lane's next heartbeat")
+    assert reused(pipeline) - before == 2 * (n_prompt - 1)
+    with urllib.request.urlopen(f"{pipeline.gateway_url}/metrics", timeout=30) as scraped:
+        families = text_string_to_metric_families(scraped.read().decode())
+        counted = [
+            s.value for f in families for s in f.samples if s.name == "speclanes_prompt_reused_tokens_total"
+        ]
+    assert counted == [reused(pipeline)]
+    assert cli_json(pipeline, capsys, "audit", "show", f"{response.id}-2")["request_id"] == ids[2]
+
+
+@pytest.mark.slow
+def test_n_seeded_streamed_choices_are_the_requests_with_seed_plus_their_index(client, model, served_model):
+    """Chunks of the three choices interleave, each tagged with its index; choice i is what plain
+    decoding gives with seed 40 + i; the include_usage chunk sums the completions."""
+    raw = "Once upon a time, in a town by the sea,"
+    ids = prompt_tokens(served_model.tokenizer, raw, chat=False)
+    none = make_draft_source("none", served_model, None)
+    wanted = [
+        decode(
+            served_model,
+            ids,
+            SamplingParams(temperature=0.8, top_p=0.95, seed=40 + i, max_tokens=20),
+            none,
+            k=0,
+        )
+        for i in range(3)
+    ]
+    stream = client.completions.create(
+        model=model, prompt=raw, n=3, max_tokens=20, temperature=0.8, top_p=0.95, seed=40, stream=True,
+        stream_options={"include_usage": True}, extra_body={"speculation": {"drafter": "auto"}},
+    )  # fmt: skip
+    texts, reasons, usage = collections.defaultdict(str), {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            reasons[choice.index] = choice.finish_reason
+            assert chunk.model_extra["speculation"]["seed"] == 40 + choice.index
+    assert [texts[i] for i in range(3)] == [w.text for w in wanted]
+    assert reasons == {i: w.finish_reason for i, w in enumerate(wanted)}
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
+        len(ids), sum(len(w.tokens) for w in wanted),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_an_n_stream_cancels_every_choice(pipeline, client, model):
+    pipeline.wait_until(_idle, what="no request left from earlier tests")
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[1]}], n=3, max_tokens=2000,
+        temperature=0.7, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [chunk for chunk, _ in zip(stream, range(8), strict=False)]
+    base = chunks[0].id.removeprefix("chatcmpl-")
+    assert pipeline.status().active_requests == 3
+    stream.close()
+    _freed(pipeline, "every choice cancelled")
+    for i in range(3):
+        done = pipeline.summary(f"{base}-{i}")
+        assert done.finish_reason == "cancelled" and len(done.tokens) < 2000
 
 
 @pytest.mark.slow

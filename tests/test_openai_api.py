@@ -186,7 +186,6 @@ def test_response_format_reaches_the_submit_as_its_canonical_text():
         ({"temperature": "hot"}, "temperature"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"stream": "yes"}, "stream"),
-        ({"n": 2}, "n"),
         ({"logprobs": 5}, "logprobs"),  # chat takes true or false; top_logprobs says how many
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),

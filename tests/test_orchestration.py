@@ -531,6 +531,27 @@ def test_a_repeated_submit_with_the_same_key_gets_the_same_request(world):
     assert isinstance(other, type(first)) and other.request_id != first.request_id
 
 
+def test_a_submit_may_ask_for_a_choice_s_id_once(world, model):
+    """The gateway's n choices are requests `<base>-<i>` (api/choices.py): the id asked for is the
+    request's, in the journal too; one taken, or not of that form, is refused."""
+    base = "0123456789abcdef0123456789abcdef"
+    request_id = world.submit(PROMPT, params=SEEDED, request_id=f"{base}-1")
+    assert request_id == f"{base}-1" and [
+        r.opened.request_id for r in world.hub.journal.recover().requests
+    ] == [request_id]
+    taken, sends = world.hub.submit(Submit(prompt=PROMPT, request_id=request_id), world.now)
+    assert (
+        isinstance(taken, ErrorReply)
+        and taken.kind == "bad_request"
+        and "taken" in taken.message
+        and not sends
+    )
+    for bad in (base, f"{base}-", f"{base}-1234", f"{base.upper()}-1", "../x-1"):
+        refused = world.hub.admit(Submit(prompt=PROMPT, request_id=bad))
+        assert isinstance(refused, ErrorReply) and "request_id" in refused.message, bad
+    assert finished(world, request_id).tokens == reference(model, SEEDED).tokens
+
+
 def test_a_dead_gateway_s_requests_are_cancelled_and_nobody_else_s(world):
     from pipeline.protocol.messages import LaneDown
 

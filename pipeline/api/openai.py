@@ -4,15 +4,16 @@ the pipeline's chunks and final object in, OpenAI chunks, responses and errors o
 Kept apart from the HTTP server (lanes/gateway.py) so every mapping is testable without
 sockets. Request bodies are decoded by msgspec into typed structs, so a wrong type names
 its field (`param`) in the 400 it earns. Unknown fields are ignored, as OpenAI-compatible
-servers do; known OpenAI features this server lacks (n > 1, tools...) are refused by name
-unless they ask for nothing (n = 1). The sampling controls (OpenAI's logit_bias, presence and
-frequency penalties; vLLM's top_k, min_p, repetition_penalty) are served, exactly under
-speculation (`decoding.controls`), and so are log-probabilities (`api.logprobs_format`) and
-`response_format` (`decoding.grammar`).
+servers do; known OpenAI features this server lacks (tools, best_of...) are refused by name
+unless they ask for nothing; `n` is api/choices.py's. The sampling controls (OpenAI's
+logit_bias, presence and frequency penalties; vLLM's top_k, min_p, repetition_penalty) are
+served, exactly under speculation (`decoding.controls`), and so are log-probabilities
+(`api.logprobs_format`) and `response_format` (`decoding.grammar`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -127,15 +128,16 @@ def decode_request(body: bytes, chat: bool) -> CompletionRequest | ChatRequest:
 
 def _neutral(req: CompletionRequest | ChatRequest) -> None:
     """Refuse, by name, what this server cannot do, unless the request asks for nothing."""
-    asks = {"n": req.n not in (None, 1)}
+    asks: dict[str, bool] = {}
     if isinstance(req, CompletionRequest):
         asks |= {"best_of": req.best_of not in (None, 1), "echo": bool(req.echo), "suffix": bool(req.suffix)}
     else:
         asks |= {"tools": bool(req.tools)}
     for name, asked in asks.items():
         if asked:
-            detail = "only n = 1 is supported" if name == "n" else f"{name} is not supported by this server"
-            raise ApiError(400, detail, param=name, code="unsupported_parameter")
+            raise ApiError(
+                400, f"{name} is not supported by this server", param=name, code="unsupported_parameter"
+            )
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
@@ -292,6 +294,13 @@ class Formatter:
         self.chat, self.model, self.created, self.prompt_tokens = chat, model, created, prompt_tokens
         self.id = RESPONSE_PREFIXES["chat" if chat else "text"] + request_id  # what `audit show` takes
         self.logprobs = LogprobsFormatter(chat) if logprobs else None  # a stream's, across its chunks
+
+    def for_choice(self) -> Formatter:
+        """This response's formatter for one of its choices (`n` > 1): completions logprobs count
+        `text_offset` through each choice's own text."""
+        other = copy.copy(self)
+        other.logprobs = None if self.logprobs is None else LogprobsFormatter(self.chat)
+        return other
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,12 +34,15 @@ from starlette.routing import Route
 from pipeline import __version__
 from pipeline.api import tokenize as token_api
 from pipeline.api.body import read_body
+from pipeline.api.choices import choice_count, choice_submits
 from pipeline.api.errors import ApiError
+from pipeline.api.fanout import ChoicesStream, Fanout, open_choices
 from pipeline.api.health import Health, judge, unreachable
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.openai import (
     DONE_EVENT,
     ChatRequest,
+    CompletionRequest,
     Formatter,
     check_model,
     decode_request,
@@ -52,7 +56,7 @@ from pipeline.model.default import default_model_path
 from pipeline.model.errors import ModelFileError
 from pipeline.protocol.client import AsyncClient, PipelineError
 from pipeline.protocol.config import Config
-from pipeline.protocol.messages import SpeculativeState
+from pipeline.protocol.messages import SpeculativeState, Submit, Submitted
 
 log = logging.getLogger(__name__)
 
@@ -222,18 +226,15 @@ class Gateway:
     async def generate(self, request: Request, chat: bool) -> Response:
         req = decode_request(await read_body(request, self.config.gateway.max_body_bytes), chat)
         submit = to_submit(req, self.model)
+        n = choice_count(req.n, self.config.gateway.max_choices)
         # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
         trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
         # Owned by this process: if it dies, the orchestrator cancels what it was streaming.
         submit = msgspec.structs.replace(submit, trace=trace, owner=f"gateway:{os.getpid()}")
         await self.require_ready()
-        try:
-            submitted = await self.client.request(submit)
-        except PipelineError as exc:
-            param = "messages" if isinstance(req, ChatRequest) else "prompt"
-            # The orchestrator's refusals that concern one field start with its name.
-            param = next((f for f in ("logit_bias", "response_format") if exc.message.startswith(f)), param)
-            raise pipeline_error(exc.kind, exc.message, param) from None
+        if n > 1:
+            return await self.generate_choices(request, req, submit, n)
+        submitted = await self.submit(req, submit)
         generation = Generation(self, submitted.request_id)
         fmt = Formatter(
             chat, submitted.request_id, self.model, int(time.time()), submitted.prompt_tokens,
@@ -248,6 +249,35 @@ class Gateway:
                 background=BackgroundTask(generation.close),  # runs also when the client left
             )
         return JSONResponse(await self.collect(request, generation, fmt))
+
+    async def submit(self, req: ChatRequest | CompletionRequest, submit: Submit) -> Submitted:
+        try:
+            return await self.client.request(submit)
+        except PipelineError as exc:
+            param = "messages" if isinstance(req, ChatRequest) else "prompt"
+            # The orchestrator's refusals that concern one field start with its name.
+            param = next((f for f in ("logit_bias", "response_format") if exc.message.startswith(f)), param)
+            raise pipeline_error(exc.kind, exc.message, param) from None
+
+    async def generate_choices(
+        self, request: Request, req: ChatRequest | CompletionRequest, submit: Submit, n: int
+    ) -> Response:
+        """`n` > 1: n pipeline requests (api/choices.py), submitted at once, merged (api/fanout.py)."""
+        base = uuid.uuid4().hex
+
+        async def start(choice: Submit) -> tuple[Generation, int]:
+            submitted = await self.submit(req, choice)
+            return Generation(self, submitted.request_id), submitted.prompt_tokens
+
+        opened = await open_choices(choice_submits(submit, n, base), start)
+        fmt = Formatter(
+            isinstance(req, ChatRequest), base, self.model, int(time.time()), opened[0][1],
+            logprobs=submit.params.logprobs is not None,
+        )  # fmt: skip
+        fanout = Fanout([generation for generation, _ in opened], fmt)
+        if req.stream:
+            return ChoicesStream(fanout, req.stream_options is not None and req.stream_options.include_usage)
+        return JSONResponse(await fanout.collect(request))
 
     async def events(
         self, generation: Generation, fmt: Formatter, include_usage: bool

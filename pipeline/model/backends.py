@@ -36,6 +36,7 @@ class Runtime(Protocol):
     backend: str
     weight_format: str
     step_bytes: int
+    row_invariant: bool  # a position's logits never depend on the forward that computed them
 
     def new_cache(self, capacity: int = 256): ...
     def forward(self, cache, tokens, *, all_logits: bool = True) -> np.ndarray: ...

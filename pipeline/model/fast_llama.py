@@ -62,6 +62,8 @@ def c_layers(layers: list[dict[str, Any]]) -> ctypes.Array:
 class FastModel:
     """Prepared weights, a product strategy and the forward pass; holds no per-sequence state."""
 
+    row_invariant = True  # a row's bits never depend on the forward's other rows (module docstring)
+
     def __init__(
         self, cfg: ModelConfig, layers: list[dict[str, Any]], out_norm: np.ndarray, head: NativeMatrix,
         rope_freqs: np.ndarray | None, embed: np.ndarray, tokenizer: Tokenizer | None, products: Any,

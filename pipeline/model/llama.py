@@ -54,6 +54,17 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
 
+    def adopt(self, source: KVCache, length: int) -> None:
+        """Hold `source`'s first `length` positions (and nothing after them): a prompt prefix another
+        sequence already computed (`workers.prefix_reuse`). A position's K/V depend only on the
+        tokens up to it, so on a row-invariant runtime these are the bits a prefill would write."""
+        if not 0 <= length <= source.length:
+            raise ValueError(f"cannot adopt {length} positions of a cache of {source.length}")
+        self.reserve(length)
+        self.k[..., :length] = source.k[..., :length]
+        self.v[:, :, :length] = source.v[:, :, :length]
+        self.length = length
+
     def keep(self, start: int, slots: Sequence[int]) -> None:
         """After a token tree's forward: keep the K/V of the tree rows `slots` (a root-first path,
         as offsets from `start`) at positions start, start + 1, ... and drop every other row.
@@ -184,6 +195,7 @@ class Model:
 
     backend = "numpy"
     weight_format = "f32"
+    row_invariant = False  # see above: the verify lane copies no prompt prefixes on it
 
     def __init__(
         self, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer | None = None

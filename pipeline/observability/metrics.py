@@ -37,6 +37,7 @@ class PipelineGauges:
     running: int = 0  # requests decoding
     queued: int = 0  # admitted, waiting for a running place
     audit_pending: int = 0  # audit events not yet acknowledged
+    prompt_tokens_reused: int = 0  # prompt positions the verify lane copied, since it started
     lanes: dict[str, LaneGauge] = field(default_factory=dict)
 
 
@@ -131,6 +132,13 @@ class PipelineMetrics:
             [self._one(lambda g: g.audit_pending)],
             "{event}",
             "Audit events the audit lane has not yet acknowledged",
+        )
+        meter.create_observable_counter(
+            "speclanes.prompt.reused_tokens",
+            [self._one(lambda g: g.prompt_tokens_reused)],
+            "{token}",
+            "Prompt tokens whose K/V the verify lane copied from another request's cache instead of "
+            "computing them (the choices of a request with n > 1, shared prefixes); since the lane started",
         )
         meter.create_observable_counter(
             "speclanes.lane.restarts",

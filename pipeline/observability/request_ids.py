@@ -1,7 +1,8 @@
 """How people name a request to `speclanes trace` and `speclanes audit`: its request id, the id an
 HTTP response carried (`chatcmpl-<request id>`, `cmpl-<request id>`), or a unique prefix of either.
 
-Request ids are 32 hex digits, so a prefix is what people type; one that fits several requests is
+Request ids are 32 hex digits (a choice of a request with n > 1 adds `-<index>`), so a prefix is
+what people type; one that fits several requests is
 an error listing them, never a silent pick of one. Lives at the bottom layer because the audit
 store and the telemetry files both resolve ids with it, and the HTTP API builds its ids from
 `RESPONSE_PREFIXES`.
@@ -9,10 +10,18 @@ store and the telemetry files both resolve ids with it, and the HTTP API builds 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 RESPONSE_PREFIXES = {"chat": "chatcmpl-", "text": "cmpl-"}  # OpenAI's id forms, as the gateway answers
 SHOWN_CANDIDATES = 10
+# The choices of one OpenAI request with n > 1 are requests `<base>-<index>` (api/choices.py): the
+# response's id `chatcmpl-<base>` is then a prefix of all of them, and naming it lists them.
+CHOICE_ID = re.compile(r"[0-9a-f]{32}-[0-9]{1,3}")
+
+
+def choice_id(base: str, index: int) -> str:
+    return f"{base}-{index}"
 
 
 class AmbiguousId(LookupError):

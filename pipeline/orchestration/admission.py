@@ -12,6 +12,7 @@ from pipeline.decoding.session import PromptError, check_prompt
 from pipeline.decoding.speculation import Speculation, SpeculationError
 from pipeline.model.prompts import prompt_tokens
 from pipeline.model.tokenizer import Tokenizer
+from pipeline.observability.request_ids import CHOICE_ID
 from pipeline.protocol.messages import ErrorReply, Submit
 
 # What a request keeps for as long as it is retained (`timeouts.retain` after it ends, however many
@@ -40,6 +41,14 @@ def oversized(msg: Submit) -> str | None:
         return f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(msg.params.logit_bias)}"
     if len(fmt := msg.params.response_format or "") > MAX_FORMAT_CHARS:
         return f"response_format must be at most {MAX_FORMAT_CHARS} characters of JSON here, got {len(fmt)}"
+    return None
+
+
+def requested_id_problem(msg: Submit) -> str | None:
+    """A Submit may name its id only in the form of a choice's (`observability.request_ids`)."""
+    if msg.request_id and not CHOICE_ID.fullmatch(msg.request_id):
+        given = msg.request_id[:80]
+        return f"request_id must be empty or 32 hex digits, '-' and a choice index; got {given!r}"
     return None
 
 
@@ -81,7 +90,7 @@ class Admitted:
 def admit(
     msg: Submit, defaults: Speculation, tokenizer: Tokenizer, context_length: int, *, has_draft_model: bool
 ) -> Admitted | ErrorReply:
-    if (problem := oversized(msg)) is not None:
+    if (problem := oversized(msg) or requested_id_problem(msg)) is not None:
         return ErrorReply(kind="bad_request", message=problem)
     try:
         speculation = defaults.overridden(drafter=msg.drafter, k=msg.k, max_iterations=msg.max_iterations)

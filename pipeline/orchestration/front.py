@@ -50,6 +50,12 @@ class ClientFront:
             request_id=machine.id, prompt_tokens=len(machine.session.prompt_tokens), secret=tracked.secret
         )
 
+    def taken(self, request_id: str) -> ErrorReply | None:
+        """A Submit that asks for an id (a choice's) another request here has."""
+        if request_id and request_id in self.requests:
+            return ErrorReply(kind="bad_request", message=f"request id {request_id!r} is taken")
+        return None
+
     def machine(self, request_id: str) -> RequestMachine | None:
         tracked = self.requests.get(request_id)
         return tracked.machine if tracked else None

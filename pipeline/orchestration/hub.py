@@ -100,9 +100,10 @@ class Hub:
 
     def early_answer(self, msg: Submit) -> Submitted | ErrorReply | None:
         """The answer that needs no tokenizing, if there is one: the same request again for a
-        repeated idempotency key (the reply to the first Submit was lost), or why no new request
-        can be taken now (checked before the costly `admit`, and again by `open`)."""
-        if (repeat := self.front.repeated(msg.idempotency_key)) is not None:
+        repeated idempotency key (the reply to the first Submit was lost), a taken id refused, or
+        why no new request can be taken now (checked before the costly `admit`, and again by `open`)."""
+        front = self.front
+        if (repeat := front.repeated(msg.idempotency_key) or front.taken(msg.request_id)) is not None:
             return repeat
         if self.closing:
             return ErrorReply(kind="unavailable", message=f"the pipeline is shutting down ({self.closing})")
@@ -121,7 +122,7 @@ class Hub:
         """The admitted request begins now, or waits its turn (traced as its `queue` span)."""
         if (early := self.early_answer(msg)) is not None:  # a repeat or a refusal that came meanwhile
             return early, []
-        request_id, speculation = uuid.uuid4().hex, admitted.speculation
+        request_id, speculation = msg.request_id or uuid.uuid4().hex, admitted.speculation
         trace = self.tracing.start(request_id, msg, admitted.seed, len(admitted.tokens), speculation)
         record = OpenedRecord(
             request_id=request_id, secret=secrets.token_hex(16), owner=msg.owner,

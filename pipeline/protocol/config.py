@@ -160,10 +160,15 @@ class Gateway(Section):
     # A larger request body is refused with 413 before it is read into memory (1 MiB: a prompt far
     # longer than any context, so only abuse is refused).
     max_body_bytes: int = 1 << 20
+    # OpenAI's `n`: the most choices one request may ask for, each a pipeline request of its own
+    # (admission counts each); more is a 400 naming `n`.
+    max_choices: int = 16
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
             raise ValueError(f"gateway.port must be 1..65535, got {self.port}")
+        if self.max_choices < 1:
+            raise ValueError(f"gateway.max_choices must be >= 1, got {self.max_choices}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 

@@ -248,6 +248,7 @@ class SpeculativeState(msgspec.Struct, kw_only=True):
     active_requests: int = 0
     batches: int = 0
     batched_rows: int = 0
+    prompt_tokens_reused: int = 0  # verify lane: prompt positions copied from another cache, not computed
 
     @property
     def acceptance(self) -> float:
@@ -318,6 +319,9 @@ class Submit(Message, frozen=True, kw_only=True):
     # back instead of a second one, so a client may retry a Submit across an orchestrator restart.
     idempotency_key: str = ""
     owner: str = ""  # "gateway:<pid>": the gateway's requests, cancelled when that process dies
+    # The id this request asks for: "" (a fresh one), or `<32 hex digits>-<index>`, the id of one
+    # choice of an OpenAI request with n > 1 (`api/choices.py`); refused if it is taken.
+    request_id: str = ""
 
 
 class Poll(Message, frozen=True, kw_only=True):

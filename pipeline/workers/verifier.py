@@ -8,7 +8,9 @@ Prompts are prefilled in chunks of `run.prefill_chunk` rows that ride in the sam
 as the other requests' verify steps, so a long prompt delays each neighbour's step by one
 chunk at a time instead of by its whole prefill. The runtime's row invariance makes this
 free of consequences for the numbers: a position's logits are the same in a chunk, in a
-whole-prompt prefill or in a decode step.
+whole-prompt prefill or in a decode step. For the same reason a prompt that begins like
+tokens a cache here already holds copies their K/V instead of computing them again
+(`prefix_reuse`: the n choices of one OpenAI request, a shared system prompt).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from pipeline.decoding.tree import check, rows_parents
 from pipeline.model import Runtime, backend_key
 from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.llama import KVCache
 from pipeline.protocol.messages import BadMessage, Close, Open, Opened, StepFailed, Verified, Verify
 from pipeline.workers.grammar import opened_target
+from pipeline.workers.prefix_reuse import Holder, PrefixReuse
 from pipeline.workers.reporting import LaneReporter, step_failed
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,16 @@ class Prefill:
     msg: Open
     target: TargetState
     started_ns: int
-    fed: int = 0
+    fed: int = 0  # prompt positions in the cache (computed here or copied)
+    reused: int = 0  # of them, copied from another cache (`prefix_reuse`)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.msg.tokens
+
+    @property
+    def cache(self) -> KVCache:
+        return self.target.cache
 
     def next_chunk(self, rows: int) -> list[int]:
         return self.msg.tokens[self.fed : self.fed + rows]
@@ -73,6 +86,7 @@ class Verifier:
         self.prefill_chunk = prefill_chunk or model.cfg.context_length  # 0: a whole prompt per forward
         self.requests: dict[str, Request] = {}
         self.prefilling: dict[str, Prefill] = {}  # oldest first: chunks are fed in arrival order
+        self.reuse = PrefixReuse(enabled=getattr(model, "row_invariant", False))
 
     def check_tokens(self, tokens: list[int]) -> str | None:
         vocab = self.model.cfg.vocab_size
@@ -110,15 +124,10 @@ class Verifier:
         return None
 
     def prefill_chunks(self) -> list[tuple[Prefill, list[int]]]:
-        """This forward's share of the waiting prompts: at most `prefill_chunk` rows, oldest first."""
-        budget, chunks = self.prefill_chunk, []
-        for job in self.prefilling.values():
-            if budget <= 0:
-                break
-            chunk = job.next_chunk(budget)
-            chunks.append((job, chunk))
-            budget -= len(chunk)
-        return chunks
+        """This forward's share of the waiting prompts: at most `prefill_chunk` rows, oldest first,
+        each after copying what the caches here already hold of it."""
+        holders = [Holder(r.target.context, r.target.cache) for r in self.requests.values()]
+        return self.reuse.chunks(list(self.prefilling.values()), holders, self.prefill_chunk)
 
     def finish_prefill(self, job: Prefill, last_logits: np.ndarray) -> Opened:
         """The prompt is in: sample the first token (a re-prime, sample=False, samples none)."""
@@ -136,7 +145,7 @@ class Verifier:
         attributes = {
             "speclanes.request_id": msg.request_id, "speclanes.step": msg.step,
             "speclanes.tokens": len(msg.tokens), "speclanes.draws": msg.draws,
-            "speclanes.prefill_chunk": self.prefill_chunk,
+            "speclanes.prefill_chunk": self.prefill_chunk, "speclanes.prefix_reused": job.reused,
         }  # fmt: skip
         # A re-prime (sample=False) rebuilds a restarted lane's cache from the accepted prefix.
         name = "prefill" if msg.sample else "reprime"
@@ -292,6 +301,7 @@ class Verifier:
         if later:
             replies.extend(self.handle(later))
         self.lane.state.active_requests = len(self.requests)
+        self.lane.state.prompt_tokens_reused = self.reuse.reused
         return replies
 
     def expire(self) -> None:
