@@ -632,27 +632,27 @@ def test_sampled_json_schema_outputs_validate(served_model):
     default model (the lanes serve these same tokens: `test_structured_output_through_the_openai_client`):
     every output ends by itself and validates against its schema. The schemas are grammar_cases'
     with bounds on the strings, arrays and integers they leave unbounded (`bounded`: a sampling 135M
-    model can write one string until max_tokens otherwise). Ten outputs here, to fit CI's time;
-    `speclanes bench structured --validate 50` makes the issue's fifty (README, "Structured output")."""
-    tokenizer = served_model.tokenizer
+    model can write one string until max_tokens otherwise). Ten outputs in CI, to fit its time;
+    SPECLANES_VALIDATED_OUTPUTS=50 makes the issue's fifty (ten seeds a schema)."""
+    tokenizer, count = served_model.tokenizer, int(os.environ.get("SPECLANES_VALIDATED_OUTPUTS", "10"))
     outputs = []
     for name, (prompt, schema) in VALIDATED.items():
         bounded_schema = {"name": name, "schema": bounded(schema), "strict": True}
         fmt = {"type": "json_schema", "json_schema": bounded_schema}
         ids = prompt_tokens(tokenizer, prompt, chat=True)
-        for seed in range(2):
+        for seed in range(count // len(VALIDATED)):
             params = SamplingParams(
                 max_tokens=256, temperature=0.7, seed=seed, response_format=canonical_response_format(fmt)
             )
             source = make_draft_source("auto", served_model, None)
             outputs.append((name, decode(served_model, ids, params, source)))
-    assert len(outputs) == 10
+    assert len(outputs) == count
     for name, result in outputs:
         assert result.finish_reason == "stop", (name, result.text)
         document = json.loads(result.text)
         jsonschema.validate(document, bounded(VALIDATED[name][1]))
         jsonschema.validate(document, VALIDATED[name][1])  # the bounded schema only narrows the original
-    assert len({result.text for _, result in outputs}) > 8  # sampled: seeds give their own
+    assert len({result.text for _, result in outputs}) > 0.8 * count  # sampled: seeds give their own
 
 
 def _idle(report) -> bool:
