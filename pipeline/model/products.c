@@ -169,20 +169,12 @@ static inline float half_to_float(uint16_t h) {
     return (float)f;
 }
 
-/* The same integers and float operations as the VNNI block_step, in plain C the compiler can
- * vectorise for whatever the CPU has: weights unpacked to u[input][output] first, so every sum
- * runs over the 16 outputs side by side. */
+/* The same integers and float operations as the VNNI block_step, in plain C that the compiler
+ * vectorises for whatever the CPU has. */
 INLINE void block_step(const uint8_t *part, int kind, const Activations *a, int r0, const int R, int b,
                        Acc *acc) {
-    int16_t u[32][TILE];
-    float d[TILE], m[TILE];
     const uint8_t *scales = part + (kind == Q8 ? 512 : 256);
-    for (int g = 0; g < GROUPS; g++)
-        for (int c = 0; c < TILE; c++)
-            for (int j = 0; j < 4; j++) {
-                uint8_t byte = kind == Q8 ? part[64 * g + 4 * c + j] : part[64 * (g / 2) + 4 * c + j];
-                u[4 * g + j][c] = kind == Q8 ? byte : (g % 2 ? byte >> 4 : byte & 0x0F);
-            }
+    float d[TILE], m[TILE];
     for (int c = 0; c < TILE; c++) {
         uint16_t h[2];
         memcpy(h, scales + 2 * c, 2);
@@ -193,12 +185,19 @@ INLINE void block_step(const uint8_t *part, int kind, const Activations *a, int 
     for (int i = 0; i < R; i++) {
         const int8_t *x = a->q + (size_t)(r0 + i) * a->k + 32 * b;
         size_t at = (size_t)(r0 + i) * a->blocks + b;
-        int32_t s[TILE] = {0};
-        for (int j = 0; j < 32; j++)
-            for (int c = 0; c < TILE; c++) s[c] += u[j][c] * x[j];
         float scale = a->dx[at], sum_x = (float)a->sx[at];
         for (int c = 0; c < TILE; c++) {
-            float term = kind == Q8 ? d[c] * (float)(s[c] - 128 * a->sx[at]) : fmaf(d[c], (float)s[c], m[c] * sum_x);
+            int32_t s = 0; /* S(u xq), in the loop shapes the compiler vectorises best */
+            if (kind == Q8)
+                for (int g = 0; g < GROUPS; g++)
+                    for (int j = 0; j < 4; j++) s += part[64 * g + 4 * c + j] * x[4 * g + j];
+            else
+                for (int p = 0; p < 4; p++)
+                    for (int j = 0; j < 4; j++) {
+                        uint8_t byte = part[64 * p + 4 * c + j];
+                        s += (byte & 0x0F) * x[8 * p + j] + (byte >> 4) * x[8 * p + 4 + j];
+                    }
+            float term = kind == Q8 ? d[c] * (float)(s - 128 * a->sx[at]) : fmaf(d[c], (float)s, m[c] * sum_x);
             acc[i].v[c] = fmaf(term, scale, acc[i].v[c]);
         }
     }
@@ -222,12 +221,18 @@ INLINE void tile_pass(const uint8_t *tile, int kind, const Activations *a, int r
     for (int i = 0; i < R; i++) acc_store(&acc[i], out + (size_t)(r0 + i) * n, width);
 }
 
-/* One instance of tile_pass per row count, so each gets its own registers and unrolled loops. */
+/* One instance of tile_pass per kind and row count, so each gets its own registers and unrolled
+ * loops without a branch inside. */
 static void tile_rows(const uint8_t *tile, int kind, const Activations *a, int r0, int R, float *out, int n,
                       int width) {
     switch (R) {
-#define PASS(rows) \
-    case rows: tile_pass(tile, kind, a, r0, rows, out, n, width); break;
+#define PASS(rows)                                                 \
+    case rows:                                                     \
+        if (kind == Q8)                                            \
+            tile_pass(tile, Q8, a, r0, rows, out, n, width);       \
+        else                                                       \
+            tile_pass(tile, Q4, a, r0, rows, out, n, width);       \
+        break;
         PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
 #undef PASS
     }
@@ -241,7 +246,12 @@ void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, int rows,
     Activations a = {xq, dx, sx, k, k / 32};
     int tiles = (n + TILE - 1) / TILE, passes = (rows + MAX_PASS - 1) / MAX_PASS;
     size_t tile_bytes = (size_t)a.blocks * block_bytes(kind);
+#ifdef DYNAMIC
+    int chunk = tiles / DYNAMIC > 0 ? tiles / DYNAMIC : 1;
+#pragma omp parallel for schedule(dynamic, chunk)
+#else
 #pragma omp parallel for schedule(static)
+#endif
     for (int t = 0; t < tiles; t++) {
         int width = n - t * TILE < TILE ? n - t * TILE : TILE; /* the last tile may be padding */
         for (int p = 0, r0 = 0; p < passes; p++) {
