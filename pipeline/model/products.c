@@ -121,34 +121,26 @@ INLINE void block_step(const uint8_t *part, int kind, const Activations *a, int 
         d = halves(part + 256);
         m = halves(part + 256 + 2 * TILE);
     }
-    /* Few rows leave vpdpbusd waiting on its own latency: their sums then run in independent
-     * chains over alternating groups, added at the end (integers: any grouping is exact). */
-    const int chains = R == 1 ? 4 : (R < 4 ? 2 : 1);
-    __m512i s[4][MAX_PASS];
+    __m512i s[MAX_PASS];
 #pragma GCC unroll 8
-    for (int c = 0; c < chains; c++)
-#pragma GCC unroll 8
-        for (int i = 0; i < R; i++) s[c][i] = _mm512_setzero_si512();
+    for (int i = 0; i < R; i++) s[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int g = 0; g < GROUPS; g++) {
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             int32_t four;
             memcpy(&four, a->q + (size_t)(r0 + i) * a->k + 32 * b + 4 * g, 4);
-            s[g % chains][i] = _mm512_dpbusd_epi32(s[g % chains][i], w[g], _mm512_set1_epi32(four));
+            s[i] = _mm512_dpbusd_epi32(s[i], w[g], _mm512_set1_epi32(four));
         }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < R; i++) {
         size_t at = (size_t)(r0 + i) * a->blocks + b;
-        __m512i sum = s[0][i];
-#pragma GCC unroll 4
-        for (int c = 1; c < chains; c++) sum = _mm512_add_epi32(sum, s[c][i]);
         __m512 term;
         if (kind == Q8)
-            term = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a->sx[at]))));
+            term = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[i], _mm512_set1_epi32(128 * a->sx[at]))));
         else
-            term = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), _mm512_mul_ps(m, _mm512_set1_ps((float)a->sx[at])));
+            term = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(m, _mm512_set1_ps((float)a->sx[at])));
         acc[i] = _mm512_fmadd_ps(term, _mm512_set1_ps(a->dx[at]), acc[i]);
     }
 }
@@ -246,12 +238,7 @@ void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, int rows,
     Activations a = {xq, dx, sx, k, k / 32};
     int tiles = (n + TILE - 1) / TILE, passes = (rows + MAX_PASS - 1) / MAX_PASS;
     size_t tile_bytes = (size_t)a.blocks * block_bytes(kind);
-#ifdef DYNAMIC
-    int chunk = tiles / DYNAMIC > 0 ? tiles / DYNAMIC : 1;
-#pragma omp parallel for schedule(dynamic, chunk)
-#else
 #pragma omp parallel for schedule(static)
-#endif
     for (int t = 0; t < tiles; t++) {
         int width = n - t * TILE < TILE ? n - t * TILE : TILE; /* the last tile may be padding */
         for (int p = 0, r0 = 0; p < passes; p++) {
