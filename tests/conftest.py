@@ -57,3 +57,21 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("tok") / "tiny.gguf"
     write_tiny_gguf(path, TinySpec())
     return Model.load(path).tokenizer
+
+
+@pytest.fixture(scope="session")
+def portable_kernels(tmp_path_factory: pytest.TempPathFactory):
+    """The native kernels built for a plain x86-64-v2 CPU (no AVX2, no AVX-512, no VNNI): the
+    portable C path, which must give the same bits as this machine's build."""
+    import platform
+
+    from pipeline.model import native
+    from pipeline.model.backends import backend_problem
+
+    if platform.machine() != "x86_64" or backend_problem("native"):
+        pytest.skip("the portable build is tested on x86-64 with a C compiler")
+    target = tmp_path_factory.mktemp("portable") / "portable.so"
+    native._build(target, (*(f for f in native.FLAGS if f != "-march=native"), "-march=x86-64-v2"))
+    lib = native.load_library(target)
+    assert lib.has_vnni() == 0
+    return lib

@@ -97,7 +97,6 @@ class FastModel:
         ids = validate_batch(cfg, batch)
         seqs = [(item[0], shape) for item, shape in zip(batch, batch_parents(batch, ids), strict=True)]
         spans = np.cumsum([0, *(t.size for t in ids)])
-        n, d = int(spans[-1]), cfg.d_model
         x = np.ascontiguousarray(self.embed[np.concatenate(ids)], dtype=np.float32)
         if self.c_layers is not None:
             self.forward_layers_native(x, seqs, spans)
@@ -105,10 +104,10 @@ class FastModel:
             self.forward_layers(x, seqs, spans)
         for (cache, _), t in zip(seqs, ids, strict=True):
             cache.length += t.size
-        rows = np.arange(n) if all_logits else spans[1:] - 1
-        hidden = np.ascontiguousarray(x[rows])
+        hidden = x if all_logits else np.ascontiguousarray(x[spans[1:] - 1])
         normed = np.empty_like(hidden)
-        lib.rms_norm_f32(hidden.ctypes.data, len(rows), d, self.out_norm.ctypes.data, eps, normed.ctypes.data)
+        norm = self.out_norm.ctypes.data
+        lib.rms_norm_f32(hidden.ctypes.data, len(hidden), cfg.d_model, norm, eps, normed.ctypes.data)
         logits = self.head_products.apply(self.head_products.prepare(normed), self.head)
         cuts = spans if all_logits else np.arange(len(batch) + 1)
         return [logits[cuts[i] : cuts[i + 1]] for i in range(len(batch))]
@@ -144,13 +143,12 @@ class FastModel:
         self, x: np.ndarray, batch: Sequence[tuple[RowCache, Any]], spans: np.ndarray
     ) -> None:
         cfg, n = self.cfg, x.shape[0]
-        widths = {"h": cfg.d_model, "qkv": cfg.q_dim + 2 * cfg.kv_dim, "attn": cfg.q_dim,
-                  "gate_up": 2 * cfg.d_ff, "act": cfg.d_ff, "out": cfg.d_model}  # fmt: skip
-        buffers = {name: np.empty((n, width), np.float32) for name, width in widths.items()}
-        widest = max(cfg.d_model, cfg.q_dim, cfg.d_ff)
-        buffers |= {"xq": np.empty((n, widest), np.int8), "dx": np.empty((n, widest // 32), np.float32),
-                    "sx": np.empty((n, widest // 32), np.int32)}  # fmt: skip
-        scratch = CScratch(**{name: a.ctypes.data for name, a in buffers.items()})
+        # One buffer carved into layers.c's scratch arrays: a forward of one row is a few
+        # milliseconds, and an allocation and a ctypes address per array cost a measurable part of it.
+        offsets, total = self._scratch_offsets(n)
+        scratch = np.empty(total, np.uint8)
+        base = -(-scratch.ctypes.data // 64) * 64
+        c_scratch = CScratch(**{name: base + offset for name, offset in offsets.items()})
         seqs = (CSequence * len(batch))(*[
             CSequence(int(spans[i]), int(spans[i + 1] - spans[i]), cache.length, cache.stride,
                       cache.k.ctypes.data, cache.v.ctypes.data,
@@ -160,8 +158,21 @@ class FastModel:
         self.lib.forward_layers(
             x.ctypes.data, n, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps,
             self.cos.ctypes.data, self.sin.ctypes.data, self.c_layers, cfg.n_layers, seqs, len(batch),
-            ctypes.byref(scratch),
+            ctypes.byref(c_scratch),
         )  # fmt: skip
+
+    def _scratch_offsets(self, n: int) -> tuple[dict[str, int], int]:
+        """Byte offsets of layers.c's scratch arrays for n rows (each 64-byte aligned), and the total."""
+        cfg = self.cfg
+        widest = max(cfg.d_model, cfg.q_dim, cfg.d_ff)
+        sizes = {"h": 4 * cfg.d_model, "qkv": 4 * (cfg.q_dim + 2 * cfg.kv_dim), "attn": 4 * cfg.q_dim,
+                 "gate_up": 8 * cfg.d_ff, "act": 4 * cfg.d_ff, "out": 4 * cfg.d_model, "xq": widest,
+                 "dx": widest // 8, "sx": widest // 8}  # fmt: skip
+        offsets, total = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = total
+            total += -(-n * size // 64) * 64
+        return offsets, total + 64
 
     def _attend(
         self, index: int, lw: dict[str, Any], cache: RowCache, parents: np.ndarray | None, qkv: np.ndarray,

@@ -46,12 +46,8 @@ class NativeProducts:
 
     def apply(self, a: Quantized, w: NativeMatrix) -> np.ndarray:
         out = np.empty((a.rows, w.n_out), np.float32)
-        if w.kind == "Q8_0":
-            self.lib.gemm_q8(a.q.ctypes.data, a.scale.ctypes.data, a.rows, a.width, w.data.ctypes.data,
-                             w.n_out, out.ctypes.data)  # fmt: skip
-        else:
-            self.lib.gemm_q4(a.q.ctypes.data, a.scale.ctypes.data, a.sums.ctypes.data, a.rows, a.width,
-                             w.data.ctypes.data, w.n_out, out.ctypes.data)  # fmt: skip
+        self.lib.gemm_blocks(a.q.ctypes.data, a.scale.ctypes.data, a.sums.ctypes.data, a.rows, a.width,
+                             w.data.ctypes.data, int(w.kind == "Q8_0"), w.n_out, out.ctypes.data)  # fmt: skip
         return out
 
 

@@ -28,7 +28,7 @@ from pipeline.model.native import row_kernels
 from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, pack, read_file_blocks
 from pipeline.model.store import cache_directory, load_prepared
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: Q8_0 values stored as q + 128
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
 
 

@@ -10,6 +10,5 @@ void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, c
                      const float *cos, const float *sin, float *kt, float *v, int cap, int n_heads, int n_kv,
                      int hd, float scale, float *out);
 void quantize_q8(const float *x, int rows, int k, int8_t *xq, float *dx, int32_t *sx);
-void gemm_q4(const int8_t *xq, const float *dx, const int32_t *sx, int rows, int k, const uint8_t *w, int n,
-             float *out);
-void gemm_q8(const int8_t *xq, const float *dx, int rows, int k, const uint8_t *w, int n, float *out);
+void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, int rows, int k, const uint8_t *w,
+                 int kind, int n, float *out);

@@ -33,10 +33,7 @@ typedef struct {
 
 static void product(const float *x, int rows, const Matrix *m, Scratch *s, float *out) {
     quantize_q8(x, rows, m->n_in, s->xq, s->dx, s->sx);
-    if (m->kind == 1)
-        gemm_q8(s->xq, s->dx, rows, m->n_in, m->data, m->n_out, out);
-    else
-        gemm_q4(s->xq, s->dx, s->sx, rows, m->n_in, m->data, m->n_out, out);
+    gemm_blocks(s->xq, s->dx, s->sx, rows, m->n_in, m->data, m->kind, m->n_out, out);
 }
 
 /* x (rows, d): embeddings in, the last layer's residual stream out. */

@@ -37,8 +37,7 @@ SIGNATURES = {
     "silu_mul_f32": (_P, _I, _I, _P),
     "rope_attend_f32": (_P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P),
     "quantize_q8": (_P, _I, _I, _P, _P, _P),
-    "gemm_q4": (_P, _P, _P, _I, _I, _P, _I, _P),
-    "gemm_q8": (_P, _P, _I, _I, _P, _I, _P),
+    "gemm_blocks": (_P, _P, _P, _I, _I, _P, _I, _I, _P),
     "has_vnni": (),
 }
 

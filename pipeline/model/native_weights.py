@@ -2,7 +2,8 @@
 
 - Q4_0 and Q4_1 matrices keep their 4-bit values and float16 d (and m) exactly, in tiles of
   16 outputs x 32 inputs (the layout is described at the top of products.c).
-- Q8_0 matrices, the tied LM head among them, keep their int8 values and float16 d exactly.
+- Q8_0 matrices, the tied LM head among them, keep their int8 values (stored as the unsigned
+  bytes q + 128) and float16 d exactly.
 - Any other type (F32, F16, BF16, K-quants) is dequantized and quantized to Q8_0 here: a
   near-exact form, named in the model's `describe()`; never a silent approximation.
 
@@ -83,10 +84,9 @@ def pack(blocks: QuantBlocks, exact: bool = True) -> NativeMatrix:
     if blocks.kind == "Q4_0":  # w = d (q - 8) = d q + m with m = -8 d, exact in float16
         m = (blocks.d * np.float16(-8)).astype(np.float16)
     halves = [_pad_rows(h, padded) for h in (blocks.d, m) if h is not None]
-    if blocks.kind == "Q8_0":
-        values = (
-            q.view(np.uint8).reshape(tiles, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
-        )
+    if blocks.kind == "Q8_0":  # as unsigned bytes q + 128: products.c's one integer product serves both kinds
+        unsigned = q.view(np.uint8) ^ np.uint8(0x80)
+        values = unsigned.reshape(tiles, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
     else:
         nib = q.reshape(tiles, TILE, nb, 4, 2, 4)  # (tile, column, block, part, low/high, j)
         values = (nib[..., 0, :] | (nib[..., 1, :] << 4)).astype(np.uint8)

@@ -59,6 +59,20 @@ static float lane_sum(const float *a, int n) {
     return acc[0];
 }
 
+/* The largest of a[0..n), n >= 1, in 16 lanes: max is exact, so any order gives the same value (a NaN
+ * score gives NaN attention outputs either way). */
+static float lane_max(const float *a, int n) {
+    float acc[LANES];
+    for (int l = 0; l < LANES; l++) acc[l] = a[0];
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = a[j + l] > acc[l] ? a[j + l] : acc[l];
+    for (int l = 0; j + l < n; l++) acc[l] = a[j + l] > acc[l] ? a[j + l] : acc[l];
+    float m = acc[0];
+    for (int l = 1; l < LANES; l++) m = acc[l] > m ? acc[l] : m;
+    return m;
+}
+
 /* 1 / sqrt(mean(x^2) + eps) of one row, summed in lanes (sq is dim floats of scratch). */
 static float rms_inverse(const float *x, int dim, float eps, float *sq) {
     for (int i = 0; i < dim; i++) sq[i] = x[i] * x[i];
@@ -155,18 +169,28 @@ static void weigh_values(float *const *weights, int G, const float *v, int n, co
 /* SmolLM2's shape (3 heads per kv head, head_dim 64) in AVX-512 registers: the same fma chains as
  * score_block and weigh_values (a masked load zeroes the lanes past the last key), so the same bits. */
 static void scores_3x64(const float *const *q, const float *kt, int cap, int n, float *const *scores) {
-    for (int j0 = 0; j0 < n; j0 += 16) {
-        __mmask16 lanes = n - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps();
-        for (int i = 0; i < 64; i++) {
-            __m512 k = _mm512_maskz_loadu_ps(lanes, kt + (size_t)i * cap + j0);
-            s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[0][i]), k, s0);
-            s1 = _mm512_fmadd_ps(_mm512_set1_ps(q[1][i]), k, s1);
-            s2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2][i]), k, s2);
+    /* 32 keys a step: six independent fma chains, enough to hide the fma latency that three
+     * chains of 64 dependent steps would wait on */
+    for (int j0 = 0; j0 < n; j0 += 32) {
+        __mmask16 lanes[2];
+        for (int h = 0; h < 2; h++) {
+            int left = n - j0 - 16 * h;
+            lanes[h] = left >= 16 ? (__mmask16)0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1) : 0);
         }
-        _mm512_mask_storeu_ps(scores[0] + j0, lanes, s0);
-        _mm512_mask_storeu_ps(scores[1] + j0, lanes, s1);
-        _mm512_mask_storeu_ps(scores[2] + j0, lanes, s2);
+        __m512 s[2][3];
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 3; g++) s[h][g] = _mm512_setzero_ps();
+        for (int i = 0; i < 64; i++) {
+            __m512 q0 = _mm512_set1_ps(q[0][i]), q1 = _mm512_set1_ps(q[1][i]), q2 = _mm512_set1_ps(q[2][i]);
+            for (int h = 0; h < 2; h++) {
+                __m512 k = _mm512_maskz_loadu_ps(lanes[h], kt + (size_t)i * cap + j0 + 16 * h);
+                s[h][0] = _mm512_fmadd_ps(q0, k, s[h][0]);
+                s[h][1] = _mm512_fmadd_ps(q1, k, s[h][1]);
+                s[h][2] = _mm512_fmadd_ps(q2, k, s[h][2]);
+            }
+        }
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 3; g++) _mm512_mask_storeu_ps(scores[g] + j0 + 16 * h, lanes[h], s[h][g]);
     }
 }
 
@@ -230,8 +254,7 @@ static void attend_group(const float *q, int G, const float *kt, const float *v,
         for (int g = 0; g < G; g++) scores[g][n + t] = score_slot(qs[g], kt, cap, hd, tail[t]);
     float inv[MAX_GROUP];
     for (int g = 0; g < G; g++) {
-        float m = scores[g][0];
-        for (int j = 1; j < total; j++) m = scores[g][j] > m ? scores[g][j] : m;
+        float m = lane_max(scores[g], total);
         for (int j = 0; j < total; j++) scores[g][j] = exp_rowinv(scores[g][j] - m);
         inv[g] = 1.0f / lane_sum(scores[g], total);
     }
