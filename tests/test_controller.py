@@ -136,3 +136,6 @@ def test_the_lane_keeps_its_calibration_per_model_runtime_and_cpu(tmp_path, monk
     monkeypatch.undo()
     monkeypatch.setenv("SPECLANES_CACHE", str(tmp_path / "cache"))
     assert len(calibration.stored_row_seconds(load_model(path, "native"), path)) == max(calibration.ROWS)
+    monkeypatch.setattr(calibration, "library_key", lambda: "other kernels")  # a new build: a new curve
+    monkeypatch.setattr(calibration, "measure", lambda *_: [1.0] * max(calibration.ROWS))
+    assert calibration.stored_row_seconds(load_model(path, "native"), path) == [1.0] * max(calibration.ROWS)

@@ -7,8 +7,9 @@ one). A few row counts are timed over a cache of `CONTEXT` tokens, the fastest o
 runs each, made non-decreasing; the controller interpolates between them.
 
 The verify lane measures it at its first start on a machine and keeps it beside the model's
-prepared weights (`stored_row_seconds`, per runtime and CPU), so a restarted lane is back without
-the second it takes; delete that directory's `calibration/` to measure again.
+prepared weights (`stored_row_seconds`, per runtime, kernel build and CPU: new kernels mean a new
+curve), so a restarted lane is back without the second it takes; delete that directory's
+`calibration/` to measure again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from pipeline.model.backends import Runtime, backend_key
 from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.native import library_key
 from pipeline.model.store import cache_directory
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)
@@ -66,9 +68,9 @@ def row_seconds(model: Runtime) -> list[float]:
 
 def stored_row_seconds(model: Runtime, path: Path) -> list[float]:
     """`measure(model)` for the model file at `path`, kept beside its prepared weights
-    (`store.cache_directory`) per runtime and CPU; written atomically, an unreadable entry is
-    measured again."""
-    key = json.dumps([backend_key(model), cpu_name(), kernel_flags(), ROWS, CONTEXT])
+    (`store.cache_directory`) per runtime, kernel build (`native.library_key`: the C sources, flags
+    and CPU flags) and CPU; written atomically, an unreadable entry is measured again."""
+    key = json.dumps([backend_key(model), library_key(), cpu_name(), kernel_flags(), ROWS, CONTEXT])
     entry = cache_directory(path) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     try:
         seconds = json.loads(entry.read_text())

@@ -39,9 +39,7 @@
 #define TILE 16
 #define GROUPS 8   /* groups of 4 inputs per block of 32 */
 #define MAX_PASS 8 /* rows per pass over a tile: each block's weights are decoded once for them */
-#ifndef PREFETCH
 #define PREFETCH 8 /* blocks ahead: a call's weights come from memory, rarely from cache */
-#endif
 #define INLINE static inline __attribute__((always_inline))
 
 enum { Q4 = 0, Q8 = 1 }; /* layers.c's Matrix.kind */
@@ -168,11 +166,14 @@ INLINE void block_step(const uint8_t *part, int kind, const Activations *a, int 
     const uint8_t *scales = part + (kind == Q8 ? 512 : 256);
     float d[TILE], m[TILE];
     for (int c = 0; c < TILE; c++) {
-        uint16_t h[2];
-        memcpy(h, scales + 2 * c, 2);
-        memcpy(h + 1, scales + 2 * TILE + 2 * c, 2);
-        d[c] = half_to_float(h[0]);
-        m[c] = kind == Q8 ? 0.0f : half_to_float(h[1]);
+        uint16_t h;
+        memcpy(&h, scales + 2 * c, 2);
+        d[c] = half_to_float(h);
+        m[c] = 0.0f;
+        if (kind == Q4) { /* Q8 blocks have no m: the next bytes are the next block's */
+            memcpy(&h, scales + 2 * TILE + 2 * c, 2);
+            m[c] = half_to_float(h);
+        }
     }
     for (int i = 0; i < R; i++) {
         const int8_t *x = a->q + (size_t)(r0 + i) * a->k + 32 * b;
@@ -207,6 +208,7 @@ INLINE void tile_pass(const uint8_t *tile, int kind, const Activations *a, int r
     for (int i = 0; i < R; i++) acc_zero(&acc[i]);
     for (int b = 0; b < a->blocks; b++) {
         const uint8_t *part = tile + b * bytes;
+        /* past the last block this prefetches beyond the matrix: harmless, a prefetch never faults */
         for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + PREFETCH * bytes + line);
         block_step(part, kind, a, r0, R, b, acc);
     }
