@@ -583,7 +583,8 @@ def structured_chat(client: openai.OpenAI, model: str, prompt: str, fmt: dict, s
 @pytest.mark.slow
 def test_structured_output_through_the_openai_client(pipeline, client, model, served_model):
     """json_object and json_schema, streamed and not, greedy and seeded: every drafter serves exactly
-    in-process plain constrained decoding's text, which parses and validates. Formats that are
+    in-process plain constrained decoding's text, which parses and validates; the grammar extension on
+    a text completion. Formats that are
     malformed, that the grammar library refuses, or that come with ignore_eos are 400s naming
     response_format (the first from the gateway, the second from the orchestrator, which compiles it)."""
     none = make_draft_source("none", served_model, None)
@@ -603,6 +604,19 @@ def test_structured_output_through_the_openai_client(pipeline, client, model, se
         assert got == (sampled.text, sampled.finish_reason)
         if sampled.finish_reason == "stop":
             jsonschema.validate(json.loads(sampled.text), schema)
+    # The grammar extension (GBNF here), on a text completion as vLLM takes response_format there.
+    grammar = {"type": "grammar", "grammar": 'root ::= ("yes" | "no") "."'}
+    question = "Q: Is Paris the capital of France? A:"
+    params = SamplingParams(max_tokens=8, response_format=canonical_response_format(grammar))
+    want = decode(
+        served_model, prompt_tokens(served_model.tokenizer, question, chat=False), params, none, k=0
+    )
+    answer = client.completions.create(
+        model=model, prompt=question, max_tokens=8, temperature=0, extra_body={"response_format": grammar}
+    )
+    assert (
+        answer.choices[0].text == want.text in ("yes.", "no.") and answer.choices[0].finish_reason == "stop"
+    )
     refused = {
         "gateway": {"type": "json_schema", "json_schema": {"name": "x"}},
         "orchestrator": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},

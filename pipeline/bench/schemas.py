@@ -113,8 +113,8 @@ def bounded(schema: Any, chars: int = 24, items: int = 2) -> Any:
     `chars` long, arrays at most `items` long, integers and numbers below a million, numbers in
     quarters (a binary fraction, so `jsonschema`'s float check of `multipleOf` is exact). Sampling at
     a temperature, a 135M model can otherwise write one string (or the digits of one number) until
-    max_tokens, and output cut there does not parse. Every document valid under
-    the bounded schema is valid under `schema`."""
+    max_tokens, and output cut there does not parse. Every document valid under the bounded schema
+    is valid under `schema`."""
     if isinstance(schema, list):
         return [bounded(item, chars, items) for item in schema]
     if not isinstance(schema, dict):

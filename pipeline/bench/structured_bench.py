@@ -9,9 +9,12 @@ unconstrained plain decoding of the same prompt: how fast the model goes without
 (its output is other text, so its row is only a speed reference).
 
 Every constrained output must equal plain constrained decoding's token for token (greedy, and
-seeded with the deterministic drafters), end by itself and parse as JSON that validates (with
-`jsonschema` when it is installed); the exit status is 1 if one does not. The schemas are bounded
-(`schemas.bounded`) so a sampled small model cannot write one string until max_tokens.
+seeded with the deterministic drafters), and an output that ends by itself must parse as JSON that
+validates (with `jsonschema` when it is installed); the exit status is 1 if one does not. One cut by
+max_tokens is reported as such (`json_object` cannot be bounded; the schemas are, by
+`schemas.bounded`, so a sampled small model cannot write one string until max_tokens). `cpu` is the
+speed-up in this process's CPU seconds per token: on a shared machine the wall-clock figures also
+measure the neighbours' load.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -75,11 +80,11 @@ def run(model: Model, drafters: list[str], repeats: int, params: SamplingParams)
         schema = None if schema is None else bounded(schema)
         prompt = chat_prompt(model, text)
         constrained = msgspec.structs.replace(params, response_format=response_format(workload, schema))
-        runs: dict[str, list[Result]] = {name: [] for name in [FREE, *drafters]}
+        runs: dict[str, list[Timed]] = {name: [] for name in [FREE, *drafters]}
         for _ in range(repeats):
-            runs[FREE].append(run_one(model, prompt, params, "none", None))
+            runs[FREE].append(timed(model, prompt, params, "none"))
             for name in drafters:
-                runs[name].append(run_one(model, prompt, constrained, name, None))
+                runs[name].append(timed(model, prompt, constrained, name))
         results[workload] = {
             "prompt_tokens": len(prompt),
             "drafters": {
@@ -89,21 +94,39 @@ def run(model: Model, drafters: list[str], repeats: int, params: SamplingParams)
     return results
 
 
+@dataclass(frozen=True)
+class Timed:
+    result: Result
+    cpu_per_token: float  # this process's CPU seconds (every thread) per generated token
+
+
+def timed(model: Model, prompt: list[int], params: SamplingParams, name: str) -> Timed:
+    start = time.process_time()
+    result = run_one(model, prompt, params, name, None)
+    return Timed(result, (time.process_time() - start) / max(len(result.tokens), 1))
+
+
 def figures(
     name: str,
-    completions: list[Result],
-    base: list[Result],
+    runs: list[Timed],
+    base_runs: list[Timed],
     schema: dict[str, Any] | None,
     params: SamplingParams,
 ) -> dict[str, Any]:
-    """One drafter's row: medians over the repeats, against plain constrained decoding (`base`)."""
+    """One drafter's row: medians over the repeats, against plain constrained decoding (`base`). The
+    CPU figure is the ratio of CPU seconds per token: on a machine shared with other work, wall time
+    also measures the neighbours, the CPU this process spent much less so."""
+    completions, base = [t.result for t in runs], [t.result for t in base_runs]
     tps = statistics.median(r.stats.tokens_per_second for r in completions)
     decode = statistics.median(result_decode_rate(r) for r in completions)
+    cpu = statistics.median(t.cpu_per_token for t in base_runs) / statistics.median(
+        t.cpu_per_token for t in runs
+    )
     last, free = completions[-1], name == FREE
     return {
         "tokens": len(last.tokens), "tokens_per_second": tps,
         "speedup": tps / statistics.median(r.stats.tokens_per_second for r in base),
-        "decode_speedup": decode / statistics.median(result_decode_rate(r) for r in base),
+        "decode_speedup": decode / statistics.median(result_decode_rate(r) for r in base), "cpu_speedup": cpu,
         "acceptance_rate": last.stats.acceptance_rate, "nodes_per_step": last.stats.nodes_per_step,
         "mean_accepted_length": last.stats.mean_accepted_length,
         "identical_to_none": None if free else all(r.tokens == base[0].tokens for r in completions),
@@ -115,7 +138,7 @@ def figures(
 def render(results: dict) -> str:
     lines = [
         f"{'workload':<8} {'drafter':<8} {'tokens':>6} {'tok/s':>7} {'speed-up':>8} {'accept':>7} "
-        f"{'mean len':>8} {'nodes':>6} {'decode':>7}  same as none  valid JSON",
+        f"{'mean len':>8} {'nodes':>6} {'decode':>7} {'cpu':>7}  same as none  valid JSON",
     ]
     for workload, data in results.items():
         for name, r in data["drafters"].items():
@@ -124,7 +147,8 @@ def render(results: dict) -> str:
             lines.append(
                 f"{workload:<8} {name:<8} {r['tokens']:>6} {r['tokens_per_second']:>7.1f} "
                 f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
-                f"{r['nodes_per_step']:>6.2f} {r['decode_speedup']:>6.2f}x  {same:<12}  {valid}"
+                f"{r['nodes_per_step']:>6.2f} {r['decode_speedup']:>6.2f}x {r['cpu_speedup']:>6.2f}x"
+                f"  {same:<12}  {valid}"
             )
     return "\n".join(lines)
 
@@ -171,4 +195,6 @@ def main(args: argparse.Namespace) -> int:
             print(render(results[name]))
     rows = [r for s in results.values() for w in s.values() for n, r in w["drafters"].items() if n != FREE]
     identical = all(r["identical_to_none"] for r in rows if r["identity_expected"])
-    return 0 if identical and all(r["json_problem"] is None for r in rows) else 1
+    # An output cut by max_tokens is reported, not failed: only a finished output must be valid.
+    valid = all(r["json_problem"] is None or r["json_problem"].startswith("ended by") for r in rows)
+    return 0 if identical and valid else 1
