@@ -769,7 +769,12 @@ COMMON = {
     "top_k": st.one_of(st.integers(-5, 100), JSON_VALUES),
     "seed": st.one_of(st.integers(-(2**70), 2**70), JSON_VALUES),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=20), JSON_VALUES),
-    "n": JSON_VALUES, "stream": st.one_of(st.booleans(), JSON_VALUES), "ignore_eos": st.booleans(),
+    # n up to 3 is served (each choice a request: n = 16 with a default max_tokens is minutes of
+    # decoding, not a hostile value); over the cap, negative, huge and non-numbers must be 400s.
+    "n": st.one_of(
+        st.integers(-3, 3), st.integers(17, 2**70), JSON_VALUES.filter(lambda v: not isinstance(v, int))
+    ),
+    "stream": st.one_of(st.booleans(), JSON_VALUES), "ignore_eos": st.booleans(),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON_VALUES),
     "speculation": st.one_of(
         st.fixed_dictionaries({}, optional={"drafter": st.sampled_from(["ngram", "none", "auto", "x"]),
