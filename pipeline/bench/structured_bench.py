@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.bench.common import chat_prompt, load_note, result_decode_rate
+from pipeline.bench.common import chat_prompt, load_note, progress, result_decode_rate
 from pipeline.bench.flags import add_backend_flag, add_common_flags
 from pipeline.bench.schemas import ORDER, PERSON, TOOL_CALL, bounded
 from pipeline.bench.speculative_bench import identity_expected, run_one
@@ -85,6 +85,7 @@ def run(model: Model, drafters: list[str], repeats: int, params: SamplingParams)
             runs[FREE].append(timed(model, prompt, params, "none"))
             for name in drafters:
                 runs[name].append(timed(model, prompt, constrained, name))
+        progress("structured", f"{workload} done (temperature {params.temperature}, load {load_note()})")
         results[workload] = {
             "prompt_tokens": len(prompt),
             "drafters": {
