@@ -3,9 +3,12 @@
 Receives and sends use non-blocking calls and, when nng says "try again", wait on the
 socket's notification descriptor (`recv_fd`/`send_fd`, both polled for readability): half
 the round-trip of pynng's own async calls. That path ignores nng's timeouts, so callers
-bound waits with trio. Every inbox listens and every sender dials, so a restarted process
-comes back on the same address and its peers reconnect on their own. On a tls+tcp:// address
-both ends authenticate with the [tls] certificates (pipeline/protocol/tls.py).
+bound waits with trio. A wait on the descriptor also ends after `RECHECK_SECONDS` and tries
+again: nng has had lost poll wakeups (nanomsg/nng#1368, #362), and one lost here would leave a
+message unread until the next arrived (an audit event unacknowledged for good, seen once in CI).
+Every inbox listens and every sender dials, so a restarted process comes back on the same
+address and its peers reconnect on their own. On a tls+tcp:// address both ends authenticate
+with the [tls] certificates (pipeline/protocol/tls.py).
 
 Pull/Push for everything that must arrive (Pub/Sub drops silently). Req/Rep only for
 clients, whose polls are idempotent.
@@ -29,6 +32,7 @@ from pipeline.protocol.tls import socket_options
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
+RECHECK_SECONDS = 0.25  # the longest a message can wait behind a lost wakeup
 OPTIONS = {"reconnect_time_min": 100, "reconnect_time_max": 1000, "recv_max_size": MAX_MESSAGE_BYTES}
 
 
@@ -70,12 +74,17 @@ def _recv_now(sock: pynng.Socket) -> bytes:
         return b""
 
 
+async def _wait_readable(fd: int) -> None:
+    with trio.move_on_after(RECHECK_SECONDS):
+        await trio.lowlevel.wait_readable(fd)
+
+
 async def receive(sock: pynng.Socket) -> bytes:
     while True:
         try:
             return _recv_now(sock)
         except pynng.TryAgain:
-            await trio.lowlevel.wait_readable(sock.recv_fd)
+            await _wait_readable(sock.recv_fd)
 
 
 async def send(sock: pynng.Socket, data: bytes) -> None:
@@ -84,7 +93,7 @@ async def send(sock: pynng.Socket, data: bytes) -> None:
             sock.send(data, block=False)
             return
         except pynng.TryAgain:
-            await trio.lowlevel.wait_readable(sock.send_fd)
+            await _wait_readable(sock.send_fd)
 
 
 def receive_ready(sock: pynng.Socket) -> bytes | None:
