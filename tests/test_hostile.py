@@ -210,7 +210,7 @@ def test_start_refuses_a_run_directory_someone_else_prepared(
     )
     elapsed = time.monotonic() - started
     assert out.returncode == 2 and out.stderr == f"speclanes: error: the run directory {run_dir} {problem}\n"
-    assert elapsed < 2, f"refused after {elapsed:.2f} s"
+    assert elapsed < 5, f"refused after {elapsed:.2f} s"  # a Python start-up (2 s on a loaded CI), no lane
     assert list(trap.iterdir()) == []  # no lock, no log, no socket left in the attacker's directory
     # The control: the module's pipeline started in a directory it made itself, and serves.
     assert pipeline.status().lanes
