@@ -139,3 +139,43 @@ def test_the_lane_keeps_its_calibration_per_model_runtime_and_cpu(tmp_path, monk
     monkeypatch.setattr(calibration, "library_key", lambda: "other kernels")  # a new build: a new curve
     monkeypatch.setattr(calibration, "measure", lambda *_: [1.0] * max(calibration.ROWS))
     assert calibration.stored_row_seconds(load_model(path, "native"), path) == [1.0] * max(calibration.ROWS)
+
+
+def test_a_depth_never_verified_is_trusted_like_the_deepest_that_was():
+    """After steps that kept all of 5 verified levels, the sixth level and beyond are worth a try
+    (a fixed prior at unverified depths let the verified depth creep up one level a step)."""
+    parents, shares = chain(16), [1.0] * 16
+    c = controller(GENTLE)
+    for _ in range(3):
+        c.observe(6, 0.012, 0.013, offered(parents[:5], shares[:5], list(range(5))), accepted=5)
+    acceptance = c.depths("")
+    assert acceptance.alpha(9) == pytest.approx(acceptance.alpha(5)) and acceptance.alpha(5) > 0.85
+    trusted = len(c.cut(parents, shares))
+    assert trusted > 8
+    for _ in range(10):  # the target stops keeping at the third level: what lies below it loses credit
+        c.observe(17, 0.012, 0.013, offered(parents, shares, [0, 1]), accepted=2)
+    assert len(c.cut(parents, shares)) < trusted
+
+
+def test_calibration_takes_the_usual_cost_not_a_lucky_run(monkeypatch):
+    """Every round times every row count in turn; the median is kept, so one fast forward (a quiet
+    moment on a shared machine) does not make a row count look cheap."""
+    from pipeline.model import calibration
+
+    class Clock:
+        now, calls = 0.0, 0
+
+    class Timed:
+        cfg = type("Cfg", (), {"context_length": 4096, "vocab_size": 100})()
+
+        def new_cache(self, capacity):
+            return type("Cache", (), {"length": 0, "truncate": lambda self, n: None})()
+
+        def forward(self, cache, tokens, all_logits=True):
+            Clock.calls += 1
+            lucky = len(tokens) == 8 and Clock.calls % 5 == 0  # one 8-row forward in a few is fast
+            Clock.now += 0.001 * (1 + 0.2 * len(tokens)) * (0.3 if lucky else 1.0)
+
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: Clock.now)
+    seconds = calibration.measure(Timed(), rows=(1, 4, 8))
+    assert seconds[7] == pytest.approx(0.001 * 2.6)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import pipeline.decoding.acceptance as acceptance
 from pipeline.decoding.drafters import NoDraftSource
 from pipeline.decoding.drafters.model import ModelSource
-from pipeline.decoding.drafters.ngram import NgramSource, lookup
+from pipeline.decoding.drafters.ngram import NgramIndex, NgramSource, candidates, lookup
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource, SuffixTable
 from pipeline.decoding.sampling import SamplingParams, target_probs
@@ -236,3 +236,29 @@ def test_k_out_of_range_is_refused(models, bad):
     target, _ = models
     with pytest.raises(ValueError, match="k must be"):
         decode(target, [1, 2], SamplingParams(), NgramSource(), k=bad)
+
+
+def _scan_matches(context: list[int], n: int) -> list[int]:
+    """Where the followers of earlier occurrences of the context's last n tokens stand, by a plain scan."""
+    length = len(context)
+    suffix = context[length - n :]
+    return [s + n for s in range(length - n) if context[s : s + n] == suffix]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    st.lists(st.integers(1, 60), max_size=5),
+    st.integers(1, 5),
+)
+def test_the_ngram_index_finds_every_match_a_scan_finds(tokens, cuts, max_n):
+    """The drafter's index, extended step by step (or handed a context that is no extension of
+    what it saw), answers what a scan of the whole context answers."""
+    index = NgramIndex(max_n)
+    for cut in [*cuts, len(tokens)]:
+        context = tokens[:cut] if cut <= len(tokens) else [9, *tokens][:cut]  # 9: a context that changed
+        index.update(context)
+        for n in range(1, max_n + 1):
+            expected = _scan_matches(context, n) if n < len(context) else []
+            assert index.matches(n) == expected
+    assert index.candidates(4, 1, max_n) == candidates(np.asarray(tokens), 4, 1, max_n)

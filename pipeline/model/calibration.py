@@ -3,8 +3,8 @@
 The speculation controller (`decoding.adaptive`) chooses how many draft nodes to verify from
 this curve, so it is measured where it is used, not assumed: it differs between backends, CPUs
 and models (flat up to a knee on a wide-SIMD CPU, rising from the start on a compute-bound
-one). A few row counts are timed over a cache of `CONTEXT` tokens, the fastest of `REPEATS`
-runs each, made non-decreasing; the controller interpolates between them.
+one). A few row counts are timed over a cache of `CONTEXT` tokens, in `ROUNDS` interleaved rounds,
+the median of each, made non-decreasing; the controller interpolates between them.
 
 The verify lane measures it at its first start on a machine and keeps it beside the model's
 prepared weights (`stored_row_seconds`, per runtime, kernel build and CPU: new kernels mean a new
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import tempfile
 import time
 import weakref
@@ -29,31 +30,37 @@ from pipeline.model.native import library_key
 from pipeline.model.store import cache_directory
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)
-CONTEXT = 128
-REPEATS = 2
+CONTEXT = 256
+ROUNDS = 7
 _measured: weakref.WeakKeyDictionary[Any, list[float]] = weakref.WeakKeyDictionary()
 
 
 def measure(model: Runtime, rows: tuple[int, ...] = ROWS) -> list[float]:
-    """Seconds by row count: entry r - 1 is t(r), 0.0 where r was not timed."""
+    """Seconds by row count: entry r - 1 is t(r), 0.0 where r was not timed.
+
+    Each round times every row count once, in turn, and each figure is the median over the rounds:
+    a step's forward follows forwards of other sizes, and what the controller weighs is what a step
+    costs as a rule. The fastest of back-to-back repeats instead, as this once took, read t(8) / t(1)
+    as 1.4 on a machine where steps of 8 rows cost 2.0 (the best of two runs of a noisy 2-thread
+    forward is a lucky one), and the controller verified twice the rows that paid."""
     context = min(CONTEXT, model.cfg.context_length - max(rows) - 1)
     vocab = model.cfg.vocab_size
     cache = model.new_cache(capacity=context + max(rows) + 1)
     model.forward(cache, [(7 * i + 1) % vocab for i in range(max(1, context))], all_logits=False)
     base = cache.length
-    out = [0.0] * max(rows)
-    for r in rows:
-        best = float("inf")
-        for _ in range(REPEATS + (r == rows[0])):  # the first forward of all also warms up
+    timings: dict[int, list[float]] = {r: [] for r in rows}
+    for round_ in range(-1, ROUNDS):  # round -1 warms up
+        for r in rows:
             t0 = time.perf_counter()
-            model.forward(cache, [(3 * i + 2) % vocab for i in range(r)])
-            best = min(best, time.perf_counter() - t0)
+            model.forward(cache, [(3 * i + 2 + round_) % vocab for i in range(r)])
+            if round_ >= 0:
+                timings[r].append(time.perf_counter() - t0)
             cache.truncate(base)
-        out[r - 1] = best
+    out = [0.0] * max(rows)
     # More rows never cost less: a timing that says so is noise from the rest of the machine.
     longest = 0.0
     for r in rows:
-        longest = out[r - 1] = max(out[r - 1], longest)
+        longest = out[r - 1] = max(statistics.median(timings[r]), longest)
     return out
 
 
@@ -70,7 +77,8 @@ def stored_row_seconds(model: Runtime, path: Path) -> list[float]:
     """`measure(model)` for the model file at `path`, kept beside its prepared weights
     (`store.cache_directory`) per runtime, kernel build (`native.library_key`: the C sources, flags
     and CPU flags) and CPU; written atomically, an unreadable entry is measured again."""
-    key = json.dumps([backend_key(model), library_key(), cpu_name(), kernel_flags(), ROWS, CONTEXT])
+    how = [ROWS, CONTEXT, ROUNDS, "median"]  # a new way of measuring: a new curve
+    key = json.dumps([backend_key(model), library_key(), cpu_name(), kernel_flags(), *how])
     entry = cache_directory(path) / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     try:
         seconds = json.loads(entry.read_text())
