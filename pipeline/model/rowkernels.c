@@ -11,7 +11,7 @@
  *     scalar tail alike;
  *   - a query row attends to keys 0..p of its own sequence, where p is its position, and never
  *     sees a mask or a padding that depends on the block it came in;
- *   - threads split whole (kv head, row) units, never a reduction.
+ *   - threads split whole (kv head, row) units or whole rows, never a reduction.
  * No -ffast-math: the compiler may not reassociate anything written here.
  */
 #include <math.h>
@@ -79,21 +79,32 @@ static float rms_inverse(const float *x, int dim, float eps, float *sq) {
     return 1.0f / sqrtf(lane_sum(sq, dim) / (float)dim + eps);
 }
 
+/* Element-wise and per-row work is split across threads by whole rows once a forward carries
+ * ROWS_PARALLEL rows (a prefill chunk, a large verify block): a row is computed by the same
+ * instructions on any thread, so the split changes speed, never bits. Below that the work is
+ * smaller than waking a thread. */
+#define ROWS_PARALLEL 32
+
 /* out[r] = x[r] * rms_inverse * w; the weight is the norm's own, not folded. */
 void rms_norm_f32(const float *x, int rows, int dim, const float *w, float eps, float *out) {
-    float *sq = malloc(sizeof(float) * dim);
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * dim;
-        float inv = rms_inverse(xr, dim, eps, sq);
-        for (int i = 0; i < dim; i++) out[(size_t)r * dim + i] = xr[i] * inv * w[i];
+#pragma omp parallel if (rows >= ROWS_PARALLEL)
+    {
+        float *sq = malloc(sizeof(float) * dim);
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (size_t)r * dim;
+            float inv = rms_inverse(xr, dim, eps, sq);
+            for (int i = 0; i < dim; i++) out[(size_t)r * dim + i] = xr[i] * inv * w[i];
+        }
+        free(sq);
     }
-    free(sq);
 }
 
 /* x += delta, then the next norm: the residual add and the norm that reads it, in one pass. */
 void add_rms_norm_f32(float *x, const float *delta, int rows, int dim, const float *w, float eps, float *out) {
-    size_t n = (size_t)rows * dim;
-    for (size_t i = 0; i < n; i++) x[i] += delta[i];
+#pragma omp parallel for schedule(static) if (rows >= ROWS_PARALLEL)
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < dim; i++) x[(size_t)r * dim + i] += delta[(size_t)r * dim + i];
     rms_norm_f32(x, rows, dim, w, eps, out);
 }
 
@@ -104,6 +115,7 @@ void add_f32(float *x, const float *delta, int n) {
 
 /* gate_up (rows, 2 ff) -> silu(gate) * up (rows, ff). */
 void silu_mul_f32(const float *gate_up, int rows, int ff, float *out) {
+#pragma omp parallel for schedule(static) if (rows >= ROWS_PARALLEL)
     for (int r = 0; r < rows; r++) {
         const float *g = gate_up + (size_t)r * 2 * ff, *u = g + ff;
         float *o = out + (size_t)r * ff;
@@ -287,30 +299,34 @@ void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, c
                      int hd, float scale, float *out) {
     int half = hd / 2, group = n_heads / n_kv, width = (n_heads + 2 * n_kv) * hd;
     float *q = malloc(sizeof(float) * (size_t)rows * n_heads * hd);
-    float *kv = malloc(sizeof(float) * hd), *row = malloc(sizeof(float) * width);
     int *depth = malloc(sizeof(int) * (size_t)rows);
-    for (int r = 0; r < rows; r++) {
-        depth[r] = parents == NULL ? r : (parents[r] < 0 ? 0 : depth[parents[r]] + 1);
-        int pos = start + depth[r], slot = start + r;
-        for (int i = 0; i < width; i++) row[i] = qkv[(size_t)r * width + i] + (bias ? bias[i] : 0.0f);
-        const float *src = row;
-        const float *c = cos + (size_t)pos * half, *s = sin + (size_t)pos * half;
-        for (int h = 0; h < n_heads; h++) {
-            float *qh = q + ((size_t)r * n_heads + h) * hd;
-            for (int i = 0; i < hd; i++) qh[i] = src[h * hd + i];
-            rope_head(qh, c, s, hd);
-            for (int i = 0; i < hd; i++) qh[i] *= scale;
+    for (int r = 0; r < rows; r++) depth[r] = parents == NULL ? r : (parents[r] < 0 ? 0 : depth[parents[r]] + 1);
+#pragma omp parallel if (rows >= ROWS_PARALLEL)
+    {
+        float *kv = malloc(sizeof(float) * hd), *row = malloc(sizeof(float) * width);
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) {
+            int pos = start + depth[r], slot = start + r;
+            for (int i = 0; i < width; i++) row[i] = qkv[(size_t)r * width + i] + (bias ? bias[i] : 0.0f);
+            const float *src = row;
+            const float *c = cos + (size_t)pos * half, *s = sin + (size_t)pos * half;
+            for (int h = 0; h < n_heads; h++) {
+                float *qh = q + ((size_t)r * n_heads + h) * hd;
+                for (int i = 0; i < hd; i++) qh[i] = src[h * hd + i];
+                rope_head(qh, c, s, hd);
+                for (int i = 0; i < hd; i++) qh[i] *= scale;
+            }
+            for (int h = 0; h < n_kv; h++) {
+                for (int i = 0; i < hd; i++) kv[i] = src[(n_heads + h) * hd + i];
+                rope_head(kv, c, s, hd);
+                for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + slot] = kv[i];
+                for (int i = 0; i < hd; i++)
+                    v[((size_t)h * cap + slot) * hd + i] = src[(n_heads + n_kv + h) * hd + i];
+            }
         }
-        for (int h = 0; h < n_kv; h++) {
-            for (int i = 0; i < hd; i++) kv[i] = src[(n_heads + h) * hd + i];
-            rope_head(kv, c, s, hd);
-            for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + slot] = kv[i];
-            for (int i = 0; i < hd; i++)
-                v[((size_t)h * cap + slot) * hd + i] = src[(n_heads + n_kv + h) * hd + i];
-        }
+        free(kv);
+        free(row);
     }
-    free(kv);
-    free(row);
     /* A tree row's tail: the slots of its path from the root, root first (rows x rows ints). */
     int *paths = NULL;
     if (parents != NULL) {
