@@ -15,7 +15,7 @@ from msgspec.structs import replace
 import pipeline.decoding.target as target_module
 from pipeline.decoding.acceptance import verify_tree
 from pipeline.decoding.drafters import NoDraftSource
-from pipeline.decoding.drafters.ngram import NgramSource
+from pipeline.decoding.drafters.ngram import SHORTER_WEIGHT, NgramSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource, SuffixTable
 from pipeline.decoding.noise import SAMPLE, uniform
@@ -172,6 +172,17 @@ def test_suffix_trees_follow_the_tables_branches():
         table.add([1, 2, *tail])
     found = dict((tuple(p), w) for p, w in table.candidates([1, 2], 2, 8))
     assert found[(10, 11)] == pytest.approx(2 / 3) and found[(20, 21)] == pytest.approx(1 / 3)
+
+
+def test_a_suffix_known_on_fewer_tokens_drafts_with_less_weight():
+    """What followed one earlier occurrence of a single token is weak evidence: such candidates weigh
+    SHORTER_WEIGHT less for each token short of SHORT_MATCH, as the n-gram drafter's do."""
+    table = SuffixTable(max_n=4)
+    table.add([1, 2, 3, 7, 8])
+    long = dict((tuple(p), w) for p, w in table.candidates([1, 2, 3], 2, 8))
+    short = dict((tuple(p), w) for p, w in table.candidates([9, 9, 3], 2, 8))  # only "3" is known
+    assert long == {(7, 8): pytest.approx(1.0)}
+    assert short == {(7, 8): pytest.approx(SHORTER_WEIGHT**2)}
 
 
 # --- end to end on a tiny model ----------------------------------------------------------

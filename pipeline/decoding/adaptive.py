@@ -32,6 +32,7 @@ from pipeline.decoding.tree import chain, depths
 
 K_LIMIT = 32
 NEIGHBOUR_SLOWDOWN = 0.05
+PROBE_NODES = 1  # a probe asks the target about the best node only: each row of it costs 10-20% of a step
 
 
 def prior_verify_ratio(rows: int) -> float:
@@ -198,7 +199,7 @@ class Controller:
             return best
         self._plain_steps = 0
         self._probe_after = min(self._probe_after * 2, 256)
-        return min(4, cap, self.k_max)
+        return min(PROBE_NODES, cap, self.k_max)
 
     def observe(self, rows: int, verify_seconds: float, step_seconds: float, offered: Sequence[float],
                 accepted: int, sampling_drafts: int = 0, drafter: str = "") -> None:  # fmt: skip

@@ -31,7 +31,7 @@ from pipeline.model.store import cache_directory
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)
 CONTEXT = 256
-ROUNDS = 7
+ROUNDS = 11
 _measured: weakref.WeakKeyDictionary[Any, list[float]] = weakref.WeakKeyDictionary()
 
 

@@ -15,10 +15,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from pipeline.decoding.drafters import EMPTY, Candidates, Proposal, tree_proposal
+from pipeline.decoding.drafters.ngram import SHORTER_WEIGHT
 from pipeline.decoding.sampling import SamplingParams
 
 BRANCHES = 3  # continuations a tree follows from one node, most frequent first
 BRANCH_SHARE = 0.1  # the least share of a node's continuations a branch needs
+SHORT_MATCH = 3  # a known suffix shorter than this drafts with less weight (as `ngram` does)
 
 
 class SuffixTable:
@@ -46,11 +48,15 @@ class SuffixTable:
 
     def next_counts(self, context: Sequence[int]) -> Counter[int] | None:
         """What followed the longest known suffix of `context`, with counts."""
+        return self.matched(context)[1]
+
+    def matched(self, context: Sequence[int]) -> tuple[int, Counter[int] | None]:
+        """(n, what followed) for the longest suffix of `context` the table knows, n tokens long."""
         for n in range(min(self.max_n, len(context)), 0, -1):
             counts = self._next.get(tuple(context[len(context) - n :]))
             if counts:
-                return counts
-        return None
+                return n, counts
+        return 0, None
 
     def continuation(self, context: Sequence[int]) -> int | None:
         """The most frequent next token after the longest known suffix of `context`."""
@@ -64,8 +70,12 @@ class SuffixTable:
         """The table's likeliest continuations, up to k tokens, expanded best first by the
         product of shares (branches of at least BRANCH_SHARE) over at most `max_nodes` nodes.
         Each expanded node leaves as a candidate the share of its mass no branch took, so the
-        candidates' weights are the table's path probabilities and sum to 1."""
+        candidates' weights are the table's path probabilities and sum to 1, or, when the context's
+        known suffix is shorter than `SHORT_MATCH` tokens, to SHORTER_WEIGHT less a missing token:
+        what followed one earlier newline is weak evidence of what follows this one."""
         out: Candidates = []
+        short = min(SHORT_MATCH, self.max_n) - self.matched(context[-self.max_n :])[0]
+        evidence = SHORTER_WEIGHT ** max(0, short)
         frontier: list[tuple[float, int, list[int]]] = [(-1.0, 0, [])]
         counter = expanded = 0
         while frontier:
@@ -82,7 +92,7 @@ class SuffixTable:
                     taken += count / total
                     heapq.heappush(frontier, (neg_prob * count / total, counter, [*path, token]))
             if path and 1.0 - taken > 1e-9:
-                out.append((path, -neg_prob * (1.0 - taken)))
+                out.append((path, -neg_prob * (1.0 - taken) * evidence))
         return out
 
     def draft(self, context: Sequence[int], k: int) -> list[int]:
