@@ -2,6 +2,12 @@
 #pragma once
 #include <stdint.h>
 
+/* Element-wise and per-row work (norms, SiLU, RoPE, activation quantizing) is split across threads
+ * by whole rows once a forward carries ROWS_PARALLEL rows (a prefill chunk, a large verify block): a
+ * row is computed by the same instructions on any thread, so the split changes speed, never bits.
+ * Below that the work is smaller than waking a thread. */
+#define ROWS_PARALLEL 32
+
 void rms_norm_f32(const float *x, int rows, int dim, const float *w, float eps, float *out);
 void add_rms_norm_f32(float *x, const float *delta, int rows, int dim, const float *w, float eps, float *out);
 void add_f32(float *x, const float *delta, int n);

@@ -91,8 +91,8 @@ static inline void quantize_block(const float *v, int8_t *q, float *dx, int32_t 
 
 void quantize_q8(const float *x, int rows, int k, int8_t *xq, float *dx, int32_t *sx) {
     long blocks = (long)rows * (k / 32);
-    /* blocks are independent: a split across threads (many rows: a prefill chunk) changes no byte */
-#pragma omp parallel for schedule(static) if (rows >= 32)
+    /* blocks are independent: a split across threads (kernels.h, ROWS_PARALLEL) changes no byte */
+#pragma omp parallel for schedule(static) if (rows >= ROWS_PARALLEL)
     for (long i = 0; i < blocks; i++) quantize_block(x + 32 * i, xq + 32 * i, dx + i, sx + i);
 }
 

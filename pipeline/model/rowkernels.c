@@ -79,12 +79,6 @@ static float rms_inverse(const float *x, int dim, float eps, float *sq) {
     return 1.0f / sqrtf(lane_sum(sq, dim) / (float)dim + eps);
 }
 
-/* Element-wise and per-row work is split across threads by whole rows once a forward carries
- * ROWS_PARALLEL rows (a prefill chunk, a large verify block): a row is computed by the same
- * instructions on any thread, so the split changes speed, never bits. Below that the work is
- * smaller than waking a thread. */
-#define ROWS_PARALLEL 32
-
 /* out[r] = x[r] * rms_inverse * w; the weight is the norm's own, not folded. */
 void rms_norm_f32(const float *x, int rows, int dim, const float *w, float eps, float *out) {
 #pragma omp parallel if (rows >= ROWS_PARALLEL)
