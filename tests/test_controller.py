@@ -179,3 +179,34 @@ def test_calibration_takes_the_usual_cost_not_a_lucky_run(monkeypatch):
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: Clock.now)
     seconds = calibration.measure(Timed(), rows=(1, 4, 8))
     assert seconds[7] == pytest.approx(0.001 * 2.6)
+
+
+CONVEX = [0.010 * (1 + 0.1 * r + 0.004 * r * r) for r in range(33)]  # rows dearer the more there are
+
+
+@given(
+    st.lists(st.tuples(st.integers(-1, 30), st.floats(0.0, 1.0)), min_size=1, max_size=30),
+    st.lists(st.floats(0.0002, 0.004), min_size=32, max_size=32),  # a row adds 2% to 40% of t(1)
+    st.lists(st.integers(0, 4), max_size=6),
+    st.integers(0, 4),
+)
+def test_a_tree_under_the_floor_is_never_worth_verifying(nodes, steps, kept, neighbours):
+    """`Controller.floor` is a bound, not a guess: a tree whose first nodes all have less share
+    than it is cut to nothing, whatever the curve, the record of the drafter and the neighbours."""
+    c = Controller()
+    c.costs.calibrate(list(itertools.accumulate([0.01, *steps])))
+    for accepted in kept:  # some record: alpha_1 anywhere from the prior to well above 1
+        c.observe(5, 0.012, 0.013, [0.2, 0.5, 1.0, 1.0][: max(1, accepted)], accepted)
+    floor = c.floor("")
+    assert floor > 0
+    parents = [p if p < i else i - 1 for i, (p, _) in enumerate(nodes)]
+    shares = [s if p >= 0 else floor * 0.999 for p, (_, s) in zip(parents, nodes, strict=True)]
+    assert c.cut(parents, shares, neighbours) == []  # a fresh controller does not probe yet
+
+
+def test_on_a_convex_curve_the_floor_is_where_one_node_starts_to_pay():
+    c = controller(CONVEX)
+    floor = c.floor("")
+    assert c.cut([-1], [floor * 0.99]) == []
+    assert c.cut([-1], [floor * 1.01]) == [0]
+    assert controller(CONVEX, fixed=4).floor("") == 0.0  # a fixed k takes every proposal

@@ -350,7 +350,7 @@ def test_forced_first_puts_the_forced_tokens_ahead_of_the_drafter(tiny, flags_gr
     class Sampler:
         name = "model"
 
-        def propose(self, context, k, tree=False):
+        def propose(self, context, k, tree=False, floor=0.0):
             seen.append(list(context))
             return Proposal([40] * k, np.full((k, tiny.cfg.vocab_size), 0.5, np.float32), "model")
 
@@ -437,7 +437,7 @@ class OracleSource:
     def start(self, prompt, params, seed):
         return self
 
-    def propose(self, context, k, tree=False):
+    def propose(self, context, k, tree=False, floor=0.0):
         at = len(context) - self.prompt_length
         if tree:  # the truth, and a forbidden sibling with a child of its own
             tokens = [*self.truth[at : at + 2], BAD, 40][:k]

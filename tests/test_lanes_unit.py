@@ -659,7 +659,7 @@ class BoomDrafter:
     def __init__(self, where: str) -> None:
         self.where = where
 
-    def propose(self, context, k, tree=False) -> Proposal:
+    def propose(self, context, k, tree=False, floor=0.0) -> Proposal:
         if self.where == "propose":
             raise RuntimeError("kaboom")
         return EMPTY

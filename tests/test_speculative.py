@@ -147,9 +147,9 @@ class ExplodingDrafter:
             if self.calls > self.after:
                 raise RuntimeError("drafter bug")
 
-    def propose(self, context, k, tree=False):
+    def propose(self, context, k, tree=False, floor=0.0):
         self._maybe_explode("propose")
-        return self.inner.propose(context, k, tree)
+        return self.inner.propose(context, k, tree, floor)
 
     def accept(self, context):
         self._maybe_explode("accept")

@@ -129,7 +129,7 @@ class Silent:
     def start(self, prompt, params, seed):
         return self
 
-    def propose(self, context, k, tree=False):
+    def propose(self, context, k, tree=False, floor=0.0):
         return EMPTY
 
     def accept(self, context):

@@ -14,7 +14,7 @@ from msgspec.structs import replace
 
 import pipeline.decoding.target as target_module
 from pipeline.decoding.acceptance import verify_tree
-from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.drafters import NoDraftSource, first_share, tree_proposal
 from pipeline.decoding.drafters.ngram import SHORTER_WEIGHT, NgramSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource, SuffixTable
@@ -183,6 +183,47 @@ def test_a_suffix_known_on_fewer_tokens_drafts_with_less_weight():
     short = dict((tuple(p), w) for p, w in table.candidates([9, 9, 3], 2, 8))  # only "3" is known
     assert long == {(7, 8): pytest.approx(1.0)}
     assert short == {(7, 8): pytest.approx(SHORTER_WEIGHT**2)}
+
+
+@given(st.lists(st.integers(0, 4), min_size=2, max_size=40), st.floats(0, 1), st.sampled_from(["ngram", "auto"]))  # noqa: E501
+def test_a_floor_drops_only_trees_whose_first_node_weighs_less(context, floor, name):
+    """A drafter asked with a floor proposes what it would without one, or nothing, and nothing only
+    when the tree's likeliest first node would have less than the floor of its candidates' weight."""
+    start = make_draft_source(name, None).start  # type: ignore[arg-type]
+    prompt = context[: len(context) // 2]  # what the suffix drafter's own table holds
+    free = start(prompt, SamplingParams(), 0).propose(context, 8, tree=True)
+    floored = start(prompt, SamplingParams(), 0).propose(context, 8, tree=True, floor=floor)
+    roots = [s for s, parent in zip(free.shares or [], free.parents or [], strict=True) if parent < 0]
+    if free.tokens and max(roots) >= floor:
+        assert floored.tokens  # a tree that could pay is always built
+    if name == "ngram":  # one drafter: the same tree, or none
+        assert floored == free or (not floored.tokens and max(roots, default=0.0) < floor)
+
+
+def test_a_composite_judges_what_is_left_by_what_the_dropped_could_have_added():
+    """Under `auto` each drafter drops candidates under half the floor; the first node of the tree
+    left then needs only the other half, since the dropped ones could have lifted it that much."""
+    from pipeline.decoding.drafters.composite import CompositeDrafter
+
+    class Fixed:
+        name = "fixed"
+
+        def __init__(self, found):
+            self.found = found
+
+        def candidates(self, context, k, floor=0.0):
+            return self.found if sum(w for _, w in self.found) >= floor else []
+
+    both = CompositeDrafter("auto", [Fixed([([1, 2], 0.1)]), Fixed([([1, 3], 0.25)])])
+    assert both.propose([0], 4, tree=True).shares[0] == pytest.approx(0.1 + 0.25 * 0.9)  # over 0.3
+    assert both.propose([0], 4, tree=True, floor=0.3).tokens == [1, 3]  # the first drafter's dropped
+
+
+def test_tree_proposal_drops_a_tree_under_the_floor():
+    candidates = [([1, 2], 0.05), ([1, 3], 0.03), ([4], 0.02)]  # the first node "1" holds 0.08
+    assert tree_proposal("x", candidates, 4, floor=0.08).tokens == [1, 2, 3, 4]
+    assert tree_proposal("x", candidates, 4, floor=0.081).tokens == []
+    assert first_share([([7], 3.0), ([8], 1.0)]) == 0.75
 
 
 # --- end to end on a tiny model ----------------------------------------------------------

@@ -47,6 +47,8 @@ class RowCosts:
     smoothing: float = 0.2
     seconds: dict[int, float] = field(default_factory=dict)
     calibrated: bool = False
+    _ratios: dict[int, float] = field(default_factory=dict)  # `ratio` by rows, until `seconds` changes
+    _cheapest: float | None = None  # `cheapest_row`, likewise
 
     def calibrate(self, seconds_by_rows: Sequence[float]) -> None:
         """`seconds_by_rows[r - 1]` is the calibrated t(r) (0 where not measured). A calibrated
@@ -55,15 +57,28 @@ class RowCosts:
         measured = {rows: float(s) for rows, s in enumerate(seconds_by_rows, start=1) if s > 0}
         if 1 in measured:
             self.seconds, self.calibrated = measured, True
+            self._forget()
 
     def observe(self, rows: int, seconds: float) -> None:
         if self.calibrated:
             return
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._ratios.clear()
+        self._cheapest = None
 
     def ratio(self, rows: int) -> float:
-        """t(rows) / t(1), interpolated between measured row counts, extrapolated past the last."""
+        """t(rows) / t(1), interpolated between measured row counts, extrapolated past the last
+        (kept by row count: the controller asks for every count up to its proposal's size each step)."""
+        ratio = self._ratios.get(rows)
+        if ratio is None:
+            ratio = self._ratios[rows] = self._ratio(rows)
+        return ratio
+
+    def _ratio(self, rows: int) -> float:
         one = self.seconds.get(1)
         if not one or len(self.seconds) < 2:
             return prior_verify_ratio(rows)
@@ -75,6 +90,13 @@ class RowCosts:
             slope = max(0.0, (self.seconds[b] - self.seconds[a]) / (b - a))
             return (self.seconds[b] + slope * (rows - b)) / one
         return float(np.interp(rows, known, [self.seconds[r] for r in known])) / one
+
+    def cheapest_row(self) -> float:
+        """The least (t(1 + R) - t(1)) / R over t(1), R = 1..2 * K_LIMIT: what a draft row adds to a
+        step at the least, on average over the rows a forward carries."""
+        if self._cheapest is None:
+            self._cheapest = min((self.ratio(1 + r) - self.ratio(1)) / r for r in range(1, 2 * K_LIMIT + 1))
+        return self._cheapest
 
     def row_budget(self, base_rows: int, limit: int) -> int:
         """The most rows (up to `limit`) a forward may carry while it costs at most
@@ -98,15 +120,15 @@ class DepthAcceptance:
     prior: float = 0.6
     weight: float = 1.0
     decay: float = 0.95
-    kept: np.ndarray = field(default_factory=lambda: np.zeros(K_LIMIT + 1))
-    offered: np.ndarray = field(default_factory=lambda: np.zeros(K_LIMIT + 1))
+    kept: list[float] = field(default_factory=lambda: [0.0] * (K_LIMIT + 1))  # by depth (decayed counts)
+    offered: list[float] = field(default_factory=lambda: [0.0] * (K_LIMIT + 1))
 
     def alphas(self, deepest: int) -> list[float]:
         """[alpha_0 (unused: 1), alpha_1, ..., alpha_deepest]."""
         out, above = [1.0], self.prior
         for depth in range(1, deepest + 1):
             d = min(depth, K_LIMIT)
-            above = float((self.kept[d] + above * self.weight) / (self.offered[d] + self.weight))
+            above = (self.kept[d] + above * self.weight) / (self.offered[d] + self.weight)
             out.append(above)
         return out
 
@@ -164,6 +186,22 @@ class Controller:
         """The per-depth calibration of `drafter`'s own estimates (each drafter errs its own way)."""
         return self.acceptance.setdefault(drafter, DepthAcceptance())
 
+    def floor(self, drafter: str) -> float:
+        """The least share of the candidates' weight that a proposal's likeliest first node needs
+        for `drafter`'s tree to be worth building, 0 when every proposal is taken (a fixed k).
+
+        Below it no cut of the tree beats plain decoding, so the drafter need not merge it nor the
+        controller rank it: every node's p is at most alpha_1 times that share (p never grows down
+        a path), and with every p under c * rho_0 (c the least a row adds on average, rho_0 =
+        1 / (1 + overhead) the plain step's rate) R nodes earn 1 + sum(p) < rho_0 * (1 + overhead +
+        R * c), which is at most rho_0 times what they cost. Weak guesses (a token that followed one earlier
+        newline) were half of a chat request's steps, each costing a merge and a cut."""
+        if self.fixed is not None:
+            return 0.0
+        alpha = self.depths(drafter).alpha(1)
+        rate = 1.0 / (self.costs.ratio(1) + self.overhead)
+        return max(0.0, self.costs.cheapest_row()) * rate / max(alpha, 1e-6)
+
     def cut(
         self, parents: Sequence[int], shares: Sequence[float], neighbours: int = 0, drafter: str = ""
     ) -> list[int]:
@@ -189,9 +227,14 @@ class Controller:
     def _best_count(self, probs: Sequence[float], per_node: float = 0.0) -> int:
         """How many of the nodes `probs` (best first) maximise expected tokens per unit of time:
         (1 + sum p) over t(R + 1) / t(1), the step overhead and `per_node` for each node drafted."""
-        gains = np.concatenate([[1.0], 1.0 + np.cumsum(probs)])
-        costs = [self.costs.ratio(r + 1) + self.overhead + r * per_node for r in range(len(probs) + 1)]
-        return int(np.argmax(gains / np.asarray(costs)))
+        ratio, overhead = self.costs.ratio, self.overhead
+        best, best_rate, gain = 0, 1.0 / (ratio(1) + overhead), 1.0
+        for r, p in enumerate(probs, start=1):
+            gain += p
+            rate = gain / (ratio(r + 1) + overhead + r * per_node)
+            if rate > best_rate:
+                best, best_rate = r, rate
+        return best
 
     def _probe(self, best: int, cap: int = 4) -> int:
         self._plain_steps += 1

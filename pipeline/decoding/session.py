@@ -97,7 +97,8 @@ class Session:
         fixed = speculation.fixed_k
         self.controller = Controller(fixed=fixed, k_max=max(speculation.k_max, fixed or 1))
         self.stats = Stats(self.controller.k_max)
-        self.tree, self.sampling_drafter = speculation.tree, speculation.drafter == "model"
+        self.tree, self.drafter = speculation.tree, speculation.drafter
+        self.sampling_drafter = speculation.drafter == "model"
         self.out = OutputStream(tokenizer, params)
         self.params, self.context_length = params, context_length
         self.max_iterations = speculation.max_iterations
@@ -131,6 +132,11 @@ class Session:
             return None
         budget = self.controller.budget(self.sampling_drafter)
         return max(0, min(budget, room, self.params.max_tokens - len(self.out.tokens) - 1))
+
+    def floor(self) -> float:
+        """What a tree's likeliest first node must weigh for the drafter to build the tree
+        (`Controller.floor`; trees carry the request's drafter's name)."""
+        return self.controller.floor(self.drafter) if self.tree else 0.0
 
     def cut(self, proposal: Proposal, want: int, neighbours: int = 0) -> Proposal:
         """What of a proposal the next step verifies: at most `want` nodes, as the controller

@@ -70,7 +70,8 @@ def decode(
         context = session.context
         t0 = time.perf_counter()
         # The controller's cut, then the grammar's (nodes it forbids would be rejected: never run).
-        draft = target.constrain(session.cut(drafter.propose(context, want, speculation.tree), want))
+        proposal = drafter.propose(context, want, speculation.tree, session.floor())
+        draft = target.constrain(session.cut(proposal, want))
         draft_seconds = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -103,8 +104,8 @@ class GuardedDrafter:
             self.failures += 1
             return None
 
-    def propose(self, context: list[int], k: int, tree: bool = False) -> Proposal:
-        proposal = self._call("propose", context, k, tree) if k > 0 else None
+    def propose(self, context: list[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
+        proposal = self._call("propose", context, k, tree, floor) if k > 0 else None
         return proposal if isinstance(proposal, Proposal) else EMPTY
 
     def accept(self, context: list[int]) -> None:

@@ -225,7 +225,7 @@ class RequestMachine:
         self.pending = DraftRequest(
             request_id=self.id, step=self.step + 1, drafter=self.who.drafter, params=session.params,
             seed=self.who.seed, prompt_length=len(session.prompt_tokens), context=session.context,
-            k=want, tree=session.tree, trace=self.who.trace,
+            k=want, tree=session.tree, floor=session.floor(), trace=self.who.trace,
         )  # fmt: skip
         self.deadline = now + self.timeouts.draft
         return [Send("draft", self.pending)]

@@ -128,6 +128,7 @@ class DraftRequest(Work, frozen=True, kw_only=True):
     context: list[int]
     k: int  # draft nodes at most
     tree: bool = False  # a token tree welcome (`decoding.tree`), not only a chain
+    floor: float = 0.0  # the least weight of a tree's likeliest first node (`Controller.floor`)
 
 
 # --- data lane: lanes -> orchestrator -------------------------------------------------

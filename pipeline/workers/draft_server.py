@@ -92,7 +92,7 @@ class DraftServer:
             if len(msg.context) != active.seen:
                 active.drafter.accept(msg.context)
                 active.seen = len(msg.context)
-            proposal = active.drafter.propose(msg.context, msg.k, msg.tree) if msg.k else None
+            proposal = active.drafter.propose(msg.context, msg.k, msg.tree, msg.floor) if msg.k else None
         except Exception as exc:
             self.active.pop(msg.request_id, None)
             return step_failed(self.lane, msg, "draft_failed", f"{msg.drafter} drafter raised {exc!r}")

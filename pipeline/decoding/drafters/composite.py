@@ -29,11 +29,16 @@ class CompositeDrafter:
     def __init__(self, name: str, drafters: list[Drafter]) -> None:
         self.name, self.drafters = name, drafters
 
-    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
         if tree and k > 0:
-            found = [c for d in self.drafters if hasattr(d, "candidates") and (c := d.candidates(context, k))]
+            # Each drafter may drop candidates under its share of the floor, so the tree of those it
+            # kept need only reach what the others' could have added to one node to go under it.
+            free = [d for d in self.drafters if hasattr(d, "candidates")]
+            share = floor / max(1, len(free))
+            found = [c for d in free if (c := d.candidates(context, k, share))]
             if found:
-                return tree_proposal(self.name, prioritised(found), k)
+                left = floor - share * (len(free) - len(found))
+                return tree_proposal(self.name, prioritised(found), k, left)
         for drafter in self.drafters:
             if tree and hasattr(drafter, "candidates"):
                 continue  # asked above, with nothing to offer

@@ -51,7 +51,7 @@ class ModelDrafter:
         self.cache.truncate(common)
         del self.fed[common:]
 
-    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
         k = min(k, self.model.cfg.context_length - len(context))
         if k <= 0:
             return EMPTY

@@ -58,21 +58,25 @@ class NgramIndex:
         _, ends = self.longest(min_n, max_n)
         return self.tokens[ends[-1] : ends[-1] + k] if ends else []
 
-    def candidates(self, k: int, min_n: int, max_n: int) -> list[tuple[list[int], float]]:
+    def candidates(self, k: int, min_n: int, max_n: int, floor: float = 0.0) -> list[tuple[list[int], float]]:
         """What followed each of the latest matches (up to k tokens each): the longest matching
         n-gram's matches weigh most (equally, but for a hair more the more recent, so the newest
         wins a tie as in `lookup`), each shorter n-gram's (down to 1) SHORTER_WEIGHT times less;
         the weights sum to 1, or to less when even the longest match is shorter than min_n.
         Shorter n-grams add the branches a long match misses where the output departs from its
-        source (a renamed variable, an inserted line)."""
+        source (a renamed variable, an inserted line). Nothing when their weights would sum to less
+        than `floor` (`tree_proposal` would not build their tree)."""
         found: list[tuple[list[int], float]] = []
         longest, _ = self.longest(1, max_n)
+        evidence = SHORTER_WEIGHT ** max(0, min_n - longest)
+        if longest == 0 or evidence < floor:
+            return []
         for n in range(longest, 0, -1):
             ends = self.matches(n)[-MAX_MATCHES:]
             scale = SHORTER_WEIGHT ** (longest - n)
             found += [(self.tokens[e : e + k], (1.0 + 0.01 * i) * scale) for i, e in enumerate(ends)]
         # Matching fewer than min_n tokens is weak evidence: such candidates share less than the whole.
-        total = sum(w for _, w in found) / SHORTER_WEIGHT ** max(0, min_n - longest) or 1.0
+        total = sum(w for _, w in found) / evidence
         return [(tokens, w / total) for tokens, w in found]
 
 
@@ -88,10 +92,10 @@ def lookup(context: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int) 
 
 
 def candidates(
-    context: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int
+    context: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int, floor: float = 0.0
 ) -> list[tuple[list[int], float]]:
     """`NgramIndex.candidates` over `context` as a whole."""
-    return indexed(context, max_n).candidates(k, min_n, max_n)
+    return indexed(context, max_n).candidates(k, min_n, max_n, floor)
 
 
 class NgramDrafter(NoDrafter):
@@ -103,18 +107,18 @@ class NgramDrafter(NoDrafter):
         self.min_n, self.max_n = min_n, max_n
         self.index = NgramIndex(max_n)
 
-    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
         if k <= 0:
             return EMPTY
         if tree:
-            return tree_proposal(self.name, self.candidates(context, k), k)
+            return tree_proposal(self.name, self.candidates(context, k, floor), k, floor)
         self.index.update(context)
         tokens = self.index.lookup(k, self.min_n, self.max_n)
         return Proposal(tokens, None, self.name) if tokens else EMPTY
 
-    def candidates(self, context: Sequence[int], k: int) -> list[tuple[list[int], float]]:
+    def candidates(self, context: Sequence[int], k: int, floor: float = 0.0) -> list[tuple[list[int], float]]:
         self.index.update(context)
-        return self.index.candidates(k, self.min_n, self.max_n)
+        return self.index.candidates(k, self.min_n, self.max_n, floor)
 
 
 class NgramSource:

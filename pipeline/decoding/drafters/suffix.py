@@ -66,16 +66,19 @@ class SuffixTable:
         token, count = counts.most_common(1)[0]
         return token if count / counts.total() >= self.min_share else None
 
-    def candidates(self, context: Sequence[int], k: int, max_nodes: int) -> Candidates:
+    def candidates(self, context: Sequence[int], k: int, max_nodes: int, floor: float = 0.0) -> Candidates:
         """The table's likeliest continuations, up to k tokens, expanded best first by the
         product of shares (branches of at least BRANCH_SHARE) over at most `max_nodes` nodes.
         Each expanded node leaves as a candidate the share of its mass no branch took, so the
         candidates' weights are the table's path probabilities and sum to 1, or, when the context's
         known suffix is shorter than `SHORT_MATCH` tokens, to SHORTER_WEIGHT less a missing token:
-        what followed one earlier newline is weak evidence of what follows this one."""
+        what followed one earlier newline is weak evidence of what follows this one. Nothing when
+        that sum would be under `floor` (`tree_proposal` would not build their tree)."""
         out: Candidates = []
-        short = min(SHORT_MATCH, self.max_n) - self.matched(context[-self.max_n :])[0]
-        evidence = SHORTER_WEIGHT ** max(0, short)
+        matched = self.matched(context[-self.max_n :])[0]
+        evidence = SHORTER_WEIGHT ** max(0, min(SHORT_MATCH, self.max_n) - matched)
+        if matched == 0 or evidence < floor:
+            return out
         frontier: list[tuple[float, int, list[int]]] = [(-1.0, 0, [])]
         counter = expanded = 0
         while frontier:
@@ -114,17 +117,18 @@ class SuffixDrafter:
         self.own.add(prompt)
         self._seen = len(prompt)
 
-    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
         if k <= 0:
             return EMPTY
         if tree:
-            return tree_proposal(self.name, self.candidates(context, k), k)
+            return tree_proposal(self.name, self.candidates(context, k, floor), k, floor)
         tokens = self.own.draft(context, k) or self.table.draft(context, k)
         return Proposal(tokens, None, self.name) if tokens else EMPTY
 
-    def candidates(self, context: Sequence[int], k: int) -> Candidates:
-        """The request's own table and the shared one, each weighing half."""
-        both = [self.own.candidates(context, k, k), self.table.candidates(context, k, k)]
+    def candidates(self, context: Sequence[int], k: int, floor: float = 0.0) -> Candidates:
+        """The request's own table and the shared one, each weighing half (the whole, when the other
+        has nothing worth `floor`)."""
+        both = [self.own.candidates(context, k, k, floor), self.table.candidates(context, k, k, floor)]
         found = [c for c in both if c]
         return [(path, w / len(found)) for c in found for path, w in c]
 

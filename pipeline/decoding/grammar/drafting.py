@@ -46,10 +46,11 @@ class ForcedFirst:
     def __init__(self, inner: Drafter, matcher: GrammarMatcher) -> None:
         self.inner, self.matcher, self.name = inner, matcher, inner.name
 
-    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
         forced = self.matcher.forced_tokens()[: max(k, 0)]
         if not forced:
-            return self.inner.propose(context, k, tree)
+            return self.inner.propose(context, k, tree, floor)
+        # Below forced tokens (each kept for certain) any guess is worth its tree: no floor.
         rest = self.inner.propose([*context, *forced], k - len(forced), tree) if k > len(forced) else EMPTY
         return after_forced(forced, rest)
 
@@ -86,9 +87,9 @@ class FollowingDrafter:
             self.matcher.advance(token)  # GrammarViolation: the drafter fails, the step decodes plainly
             self.output.append(token)
 
-    def propose(self, context: Sequence[int], k: int, tree: bool = False) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
         self.follow(context)
-        return self.forced.propose(context, k, tree)
+        return self.forced.propose(context, k, tree, floor)
 
     def accept(self, context: Sequence[int]) -> None:
         self.forced.accept(context)
