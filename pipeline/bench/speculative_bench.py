@@ -1,13 +1,15 @@
 """Every drafter against plain decoding on three workloads, side by side in one run.
 
 Runs are interleaved (each repeat goes through every drafter in turn) so drift on a
-shared machine hits all of them alike; figures are medians. Each run gets a fresh
+shared machine hits all of them alike; tok/s are medians, and each speed-up is the median over
+the repeats of that repeat's ratio (`paired`). Each run gets a fresh
 draft source, so the cross-request cache starts empty: speed-ups here come from within
 a request, and the check column says whether every output equals plain decoding's.
 
 A drafter name with "/linear" (`ngram/linear`) drafts one chain a step instead of a token tree,
-so trees and linear drafts are compared in the same run; `nodes` is the draft nodes verified
-per step, `mean len` the tokens emitted per step.
+so trees and linear drafts are compared in the same run (`vs chain`: the tree rows' end-to-end
+rate over their linear twin's); `nodes` is the draft nodes verified per step, `mean len` the tokens
+emitted per step.
 
 Two sections: greedy, then seeded sampling (`--temperature T --seed S`; `--temperature 0` leaves
 it out). In the sampled one every deterministic drafter (and `auto` without a draft model) must
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 
 from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate
 from pipeline.bench.flags import add_backend_flag, add_common_flags
 from pipeline.decoding.drafters.registry import make_draft_source
+from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
@@ -45,6 +49,17 @@ def run_one(model: Model, prompt: list[int], params: SamplingParams, name: str, 
     return decode(model, prompt, params, source, k=0 if drafter == "none" else None, tree=not linear)
 
 
+def end_to_end_rate(result: Result) -> float:
+    return result.stats.tokens_per_second
+
+
+def paired(runs: list[Result], baseline: list[Result], rate: Callable[[Result], float]) -> float:
+    """The median over the rounds of each round's ratio: a round runs every drafter once, back to
+    back, so a ratio compares runs seconds apart, not a quiet minute of one against a busy minute
+    of the other (on the shared 2-core VMs the same build's plain rate drifts by 10% or more)."""
+    return statistics.median(rate(a) / rate(b) for a, b in zip(runs, baseline, strict=True))
+
+
 def run(
     model: Model, drafters: list[str], draft_model: Model | None, repeats: int, params: SamplingParams
 ) -> dict:
@@ -57,17 +72,16 @@ def run(
             for name in drafters:
                 runs[name].append(run_one(model, prompt, params, name, draft_model))
         reference = runs["none"][0].tokens
-        base = statistics.median(r.stats.tokens_per_second for r in runs["none"])
-        base_decode = statistics.median(result_decode_rate(r) for r in runs["none"])
         results[workload] = {"prompt_tokens": len(prompt), "drafters": {}}
         for name, completions in runs.items():
-            tps = statistics.median(r.stats.tokens_per_second for r in completions)
             last = completions[-1].stats
+            linear = runs.get(f"{name}/linear")
             results[workload]["drafters"][name] = {
                 "tokens": len(completions[-1].tokens),
-                "tokens_per_second": tps,
-                "speedup": tps / base,
-                "decode_speedup": statistics.median(result_decode_rate(r) for r in completions) / base_decode,
+                "tokens_per_second": statistics.median(r.stats.tokens_per_second for r in completions),
+                "speedup": paired(completions, runs["none"], end_to_end_rate),
+                "decode_speedup": paired(completions, runs["none"], result_decode_rate),
+                "tree_vs_linear": None if linear is None else paired(completions, linear, end_to_end_rate),
                 "acceptance_rate": last.acceptance_rate,
                 "mean_accepted_length": last.mean_accepted_length,
                 "nodes_per_step": last.nodes_per_step,
@@ -78,17 +92,21 @@ def run(
     return results
 
 
+def vs_chain(row: dict) -> str:
+    return "" if row.get("tree_vs_linear") is None else f"{row['tree_vs_linear']:.2f}x"
+
+
 def render(results: dict) -> str:
     lines = [
         f"{'workload':<8} {'drafter':<13} {'tokens':>6} {'tok/s':>7} {'speed-up':>8} {'accept':>7} "
-        f"{'mean len':>8} {'nodes':>6} {'decode':>7}  same as none",
+        f"{'mean len':>8} {'nodes':>6} {'decode':>7} {'vs chain':>8}  same as none",
     ]
     for workload, data in results.items():
         for name, r in data["drafters"].items():
             lines.append(
                 f"{workload:<8} {name:<13} {r['tokens']:>6} {r['tokens_per_second']:>7.1f} "
                 f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
-                f"{r['nodes_per_step']:>6.2f} {r['decode_speedup']:>6.2f}x"
+                f"{r['nodes_per_step']:>6.2f} {r['decode_speedup']:>6.2f}x {vs_chain(r):>8}"
                 f"  {r['identical_to_none'] if r['identity_expected'] else 'n/a (sampled drafts)'}"
             )
     return "\n".join(lines)
