@@ -194,8 +194,8 @@ class Controller:
         controller rank it: every node's p is at most alpha_1 times that share (p never grows down
         a path), and with every p under c * rho_0 (c the least a row adds on average, rho_0 =
         1 / (1 + overhead) the plain step's rate) R nodes earn 1 + sum(p) < rho_0 * (1 + overhead +
-        R * c), which is at most rho_0 times what they cost. Weak guesses (a token that followed one earlier
-        newline) were half of a chat request's steps, each costing a merge and a cut."""
+        R * c), which is at most rho_0 times what they cost. Weak guesses (a token that followed one
+        earlier newline) were half of a chat request's steps, each costing a merge and a cut."""
         if self.fixed is not None:
             return 0.0
         alpha = self.depths(drafter).alpha(1)
