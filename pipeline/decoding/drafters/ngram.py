@@ -67,12 +67,12 @@ class NgramIndex:
         source (a renamed variable, an inserted line). Nothing when their weights would sum to less
         than `floor` (`tree_proposal` would not build their tree)."""
         found: list[tuple[list[int], float]] = []
-        longest, _ = self.longest(1, max_n)
+        longest, longest_ends = self.longest(1, max_n)
         evidence = SHORTER_WEIGHT ** max(0, min_n - longest)
         if longest == 0 or evidence < floor:
             return []
         for n in range(longest, 0, -1):
-            ends = self.matches(n)[-MAX_MATCHES:]
+            ends = (longest_ends if n == longest else self.matches(n))[-MAX_MATCHES:]
             scale = SHORTER_WEIGHT ** (longest - n)
             found += [(self.tokens[e : e + k], (1.0 + 0.01 * i) * scale) for i, e in enumerate(ends)]
         # Matching fewer than min_n tokens is weak evidence: such candidates share less than the whole.

@@ -75,7 +75,7 @@ class SuffixTable:
         what followed one earlier newline is weak evidence of what follows this one. Nothing when
         that sum would be under `floor` (`tree_proposal` would not build their tree)."""
         out: Candidates = []
-        matched = self.matched(context[-self.max_n :])[0]
+        matched, root = self.matched(context[-self.max_n :])
         evidence = SHORTER_WEIGHT ** max(0, min(SHORT_MATCH, self.max_n) - matched)
         if matched == 0 or evidence < floor:
             return out
@@ -83,7 +83,10 @@ class SuffixTable:
         counter = expanded = 0
         while frontier:
             neg_prob, _, path = heapq.heappop(frontier)
-            counts = self.next_counts([*context[-self.max_n :], *path]) if len(path) < k else None
+            if len(path) >= k:
+                counts = None
+            else:  # the root's counts are the context's own, found above
+                counts = self.next_counts([*context[-self.max_n :], *path]) if path else root
             taken = 0.0
             if counts and expanded < max_nodes:
                 total = counts.total()
