@@ -11,6 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.decoding.drafters import Proposal
+from pipeline.decoding.drafters.ngram import NgramSource
+from pipeline.decoding.drafters.suffix import SuffixSource
+from pipeline.decoding.sampling import SamplingParams
 
 BENCH = Path(__file__).resolve().parents[1] / "ops" / "bench"
 
@@ -35,11 +38,23 @@ def test_a_tree_keeps_its_best_path_and_a_chain_its_prefix():
     assert tree_bound.kept(Proposal([1, 2, 3]), [1, 2, 4]) == 2
 
 
-def test_any_match_takes_the_best_earlier_occurrence_of_any_suffix():
+def test_any_pair_counts_tokens_whose_pair_with_the_previous_one_was_seen():
     context = [1, 2, 3, 9, 9, 2, 3, 4, 5, 6, 2, 3]
-    assert tree_bound.any_match(context, [4, 5, 6, 7]) == 3  # the second "2 3" is followed by 4 5 6
-    assert tree_bound.any_match(context, [9, 9, 2]) == 3  # the first, by 9 9 2
-    assert tree_bound.any_match(context, [8]) == 0
+    assert tree_bound.any_pair(context, [4, 5, 6, 7]) == 3  # 3 4, 4 5, 5 6 occur; 6 7 does not
+    assert tree_bound.any_pair(context, [9, 9, 2, 3, 4]) == 5  # pairs from two occurrences, spliced
+    assert tree_bound.any_pair(context, [8]) == 0
+
+
+def test_any_pair_holds_every_path_of_the_drafters_trees():
+    """The bound is above what the n-gram and suffix drafters' trees can hold, on a context with
+    repeats."""
+    context = [1, 2, 3, 4, 1, 2, 5, 6, 2, 3, 4, 7, 1, 2, 3]
+    truth = [4, 1, 2, 5, 6, 2]
+    for source in (NgramSource(), SuffixSource()):
+        drafter = source.start(context, SamplingParams(), 0)
+        drafter.accept(context)
+        proposal = drafter.propose(context, 32, True)
+        assert 0 < tree_bound.kept(proposal, truth) <= tree_bound.any_pair(context, truth)
 
 
 def test_a_walk_verifies_exactly_what_it_keeps():

@@ -7,8 +7,8 @@ greedy answer step by step three ways, each verifying exactly what it keeps (at 
 
 - `chain`: the drafter's own chain (`propose(..., tree=False)`), as the `/linear` rows draft;
 - `tree`: the best path of the drafter's tree over all its candidates (`--nodes`, no floor);
-- `any match`: the best continuation of every earlier occurrence of every suffix n-gram of the
-  context (1 to 8 tokens): what no n-gram or suffix candidate can exceed, whatever its weights.
+- `any pair`: every token whose pair (previous token, token) occurs in the context: no n-gram or
+  suffix candidate (the cross-request cache is empty, as in `bench speculative`) holds more.
 
 Each walk's cost is its verify forwards on the runtime's calibrated t(rows) curve plus the measured
 prefill; the bound is the chain walk's cost over the other's. Run from the repository's root:
@@ -19,6 +19,7 @@ prefill; the bound is the chain walk's cost over the other's. Run from the repos
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -52,19 +53,16 @@ def kept(proposal: Proposal, truth: Sequence[int]) -> int:
     return depth
 
 
-def any_match(context: Sequence[int], truth: Sequence[int], longest: int = 8) -> int:
-    """The most of `truth` that follows any earlier occurrence of any suffix n-gram of `context`."""
-    best = 0
-    for n in range(1, min(longest, len(context) - 1) + 1):
-        suffix = list(context[-n:])
-        for start in range(len(context) - n):
-            if list(context[start : start + n]) == suffix:
-                follow = context[start + n :]
-                run = 0
-                while run < min(len(truth), len(follow)) and follow[run] == truth[run]:
-                    run += 1
-                best = max(best, run)
-    return best
+def any_pair(context: Sequence[int], truth: Sequence[int]) -> int:
+    """The most of `truth` an n-gram or suffix candidate could hold: every such candidate token
+    followed its predecessor somewhere in `context` (an n-gram match ends in a 1-gram match, and
+    a suffix-table walk may splice occurrences but steps only along pairs it has seen), so this
+    counts the tokens in a row whose pair (previous token, token) occurs in `context`."""
+    pairs = set(itertools.pairwise(context))
+    run, previous = 0, context[-1]
+    while run < len(truth) and (previous, truth[run]) in pairs:
+        previous, run = truth[run], run + 1
+    return run
 
 
 def walk(prompt: list[int], answer: list[int], keeps: Callable[[list[int], list[int]], int], depth: int):
@@ -127,7 +125,7 @@ def main() -> int:
         walks = {
             "chain": drafted(model, name, prompt, params, False, args.depth),
             "tree": drafted(model, name, prompt, params, True, args.nodes),
-            "any match": any_match,
+            "any pair": any_pair,
         }
         chain = 0.0
         for label, keeps in walks.items():
