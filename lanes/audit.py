@@ -1,8 +1,10 @@
 """The audit lane: persists every event before acknowledging it.
 
-Events arriving together are written in one transaction and acknowledged together; the
-orchestrator keeps each event until its acknowledgement comes back, so a crash here
-loses nothing and a re-sent event is ignored by its id.
+Events arriving within `audit.batch_seconds` of the first are written in one transaction and
+acknowledged together: a commit (and fsync) a step kept this lane busy 0.6-0.7 ms of CPU a token,
+which on a 2-core machine came out of the verify lane's forward. The orchestrator keeps each event
+until its acknowledgement comes back, so a crash here loses nothing and a re-sent event is ignored
+by its id.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pipeline.protocol.messages import AuditAck, AuditEvent, AuditInbox, BadMess
 from pipeline.protocol.transport import Inbox
 
 log = logging.getLogger(__name__)
+BATCH_BUFFER = 8192  # events a batch may gather in the socket (nng's most); more wait in the sender
 
 
 def retain(store: AuditStore, lane: LaneContext) -> float:
@@ -47,12 +50,17 @@ def trace_persisted(lane: LaneContext, events: list[AuditEvent], start_ns: int) 
 async def serve(lane: LaneContext) -> None:
     config = lane.config
     store = AuditStore(config.audit.path)
-    inbox: Inbox = Inbox(config.bind("audit"), AuditInbox, config.tls)
+    # While a batch gathers, its events wait in the socket: the orchestrator's sends never block,
+    # and one it cannot hand over now is only sent again after `audit.resend_after`.
+    inbox: Inbox = Inbox(config.bind("audit"), AuditInbox, config.tls, buffer=BATCH_BUFFER)
     acks = lane.replies()
     lane.heartbeat()
     prune_at = retain(store, lane)
     while True:
-        messages = [await inbox.next(), *inbox.ready()]
+        messages = [await inbox.next()]
+        if config.audit.batch_seconds > 0:  # the rest of the batch waits in the socket's buffer
+            await trio.sleep(config.audit.batch_seconds)
+        messages += inbox.ready()
         if time.monotonic() >= prune_at:  # events (heartbeat snapshots at least) keep arriving
             prune_at = retain(store, lane)
         events = []

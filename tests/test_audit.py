@@ -652,3 +652,46 @@ def test_tree_steps_verify_and_a_hidden_match_is_caught(models, params):
     assert report.verdict == "fail"
     broken = replace_step(events, step.step, parents=[0, *step.parents[1:]])
     assert_fails_at(verify_request("req", broken, target, None), step.step, "parent")
+
+
+@pytest.mark.parametrize("window", [0.0, 0.3])
+def test_the_audit_lane_writes_a_burst_in_one_transaction_and_acknowledges_it_once(tmp_path, window):
+    """Events that arrive within `audit.batch_seconds` of the first share one commit and one
+    AuditAck (one fsync for several steps); with 0 the lane acknowledges the first at once."""
+    import trio
+
+    from lanes.audit import serve
+    from lanes.lane import LaneContext
+    from pipeline.protocol.config import load_config
+    from pipeline.protocol.messages import AuditAck, DataInbox
+    from pipeline.protocol.transport import Inbox, Outbox
+
+    from .telemetry_harness import MemoryTelemetry
+
+    config = load_config(None, [f"run.dir={tmp_path}", f"audit.batch_seconds={window}"], {})
+    events = [*fake_request("a", 1000.0), *fake_request("b", 1001.0), *fake_request("c", 1002.0)]
+    acks: list[AuditAck] = []
+
+    async def scenario() -> None:
+        data = Inbox(config.bind("data"), DataInbox, config.tls)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve, LaneContext("audit", config, MemoryTelemetry()))
+            outbox = Outbox(config.addresses.audit, config.tls)
+            with trio.fail_after(10):
+                for event in events:  # a burst: a few ms from first to last
+                    await outbox.put(event)
+                while sum(len(a.event_ids) for a in acks) < len(events):
+                    if isinstance(ack := await data.next(), AuditAck):
+                        acks.append(ack)
+            nursery.cancel_scope.cancel()
+        data.close()
+        outbox.sock.close()
+
+    trio.run(scenario)
+    store = AuditStore(config.audit.path)
+    assert sorted(store.request_ids()) == ["a", "b", "c"]
+    store.close()
+    if window:
+        assert [sorted(a.event_ids) for a in acks] == [sorted(e.event_id for e in events)]
+    else:
+        assert len(acks[0].event_ids) < len(events)  # nothing waited for the rest of the burst

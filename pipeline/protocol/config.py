@@ -141,10 +141,16 @@ class Audit(Section):
     # Events the audit lane has not acknowledged yet, at most; past it new requests are refused
     # ("overloaded") until it catches up. Nothing is dropped: the running requests' events wait.
     max_pending: int = 20000
+    # Events arriving within this long of the first one are written in one transaction (one fsync)
+    # and acknowledged together; 0 writes whatever is queued at once. Nothing waits on it but the
+    # acknowledgement: the orchestrator keeps every event until then.
+    batch_seconds: float = 0.02
 
     def __post_init__(self) -> None:
         if self.max_age_days < 0 or self.max_requests < 0 or self.prune_seconds <= 0:
             raise ValueError("audit.max_age_days and max_requests must be >= 0, prune_seconds > 0")
+        if not 0.0 <= self.batch_seconds <= 1.0:
+            raise ValueError(f"audit.batch_seconds must be in [0, 1], got {self.batch_seconds}")
         if self.max_pending < 1:
             raise ValueError(f"audit.max_pending must be >= 1, got {self.max_pending}")
 
