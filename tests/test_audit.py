@@ -654,16 +654,16 @@ def test_tree_steps_verify_and_a_hidden_match_is_caught(models, params):
     assert_fails_at(verify_request("req", broken, target, None), step.step, "parent")
 
 
-@pytest.mark.parametrize("window", [0.0, 0.3])
+@pytest.mark.parametrize("window", [0.0, 1.0])
 def test_the_audit_lane_writes_a_burst_in_one_transaction_and_acknowledges_it_once(tmp_path, window):
     """Events that arrive within `audit.batch_seconds` of the first share one commit and one
-    AuditAck (one fsync for several steps); with 0 the lane acknowledges the first at once."""
+    AuditAck (one fsync for several steps); with 0 nothing waits for more."""
     import trio
 
     from lanes.audit import serve
     from lanes.lane import LaneContext
     from pipeline.protocol.config import load_config
-    from pipeline.protocol.messages import AuditAck, DataInbox
+    from pipeline.protocol.messages import AuditAck, DataInbox, encode
     from pipeline.protocol.transport import Inbox, Outbox
 
     from .telemetry_harness import MemoryTelemetry
@@ -674,12 +674,15 @@ def test_the_audit_lane_writes_a_burst_in_one_transaction_and_acknowledges_it_on
 
     async def scenario() -> None:
         data = Inbox(config.bind("data"), DataInbox, config.tls)
+        outbox = Outbox(config.addresses.audit, config.tls, buffer=len(events))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(serve, LaneContext("audit", config, MemoryTelemetry()))
-            outbox = Outbox(config.addresses.audit, config.tls)
-            with trio.fail_after(10):
-                for event in events:  # a burst: a few ms from first to last
-                    await outbox.put(event)
+            with trio.fail_after(20):
+                while not outbox.connected():
+                    await trio.sleep(0.01)
+                # One burst, queued without yielding: however loaded the machine, the lane cannot
+                # take the first and commit before the others are on their way.
+                assert all(outbox.put_bytes_nowait(encode(event)) for event in events)
                 while sum(len(a.event_ids) for a in acks) < len(events):
                     if isinstance(ack := await data.next(), AuditAck):
                         acks.append(ack)
@@ -691,7 +694,6 @@ def test_the_audit_lane_writes_a_burst_in_one_transaction_and_acknowledges_it_on
     store = AuditStore(config.audit.path)
     assert sorted(store.request_ids()) == ["a", "b", "c"]
     store.close()
+    assert sorted(i for a in acks for i in a.event_ids) == sorted(e.event_id for e in events)
     if window:
-        assert [sorted(a.event_ids) for a in acks] == [sorted(e.event_id for e in events)]
-    else:
-        assert len(acks[0].event_ids) < len(events)  # nothing waited for the rest of the burst
+        assert len(acks) == 1
