@@ -2,9 +2,11 @@
 
 Events arriving within `audit.batch_seconds` of the first are written in one transaction and
 acknowledged together: a commit (and fsync) a step kept this lane busy 0.6-0.7 ms of CPU a token,
-which on a 2-core machine came out of the verify lane's forward. The orchestrator keeps each event
-until its acknowledgement comes back, so a crash here loses nothing and a re-sent event is ignored
-by its id.
+which on a 2-core machine came out of the verify lane's forward. A task of its own keeps receiving
+meanwhile: nng's Pull socket holds about one message for an owner that is not receiving, and the
+orchestrator's non-blocking send of the next one would fail (that event would wait for a re-send).
+The orchestrator keeps each event until its acknowledgement comes back, so a crash here loses
+nothing and a re-sent event is ignored by its id.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import trio
 from lanes.lane import LaneContext, lane_main
 from pipeline.audit.store import AuditStore
 from pipeline.protocol.messages import AuditAck, AuditEvent, AuditInbox, BadMessage
-from pipeline.protocol.transport import Inbox
+from pipeline.protocol.transport import Inbox, Outbox
 
 log = logging.getLogger(__name__)
-BATCH_BUFFER = 8192  # events a batch may gather in the socket (nng's most); more wait in the sender
 
 
 def retain(store: AuditStore, lane: LaneContext) -> float:
@@ -47,38 +48,63 @@ def trace_persisted(lane: LaneContext, events: list[AuditEvent], start_ns: int) 
         lane.telemetry.start("audit persist", mine[0].trace, attributes, start_time=start_ns).end()
 
 
+Received = AuditInbox | BadMessage
+
+
+async def receive_all(inbox: Inbox, into: trio.MemorySendChannel[Received]) -> None:
+    while True:
+        await into.send(await inbox.next())
+
+
+def gathered(first: Received, received: trio.MemoryReceiveChannel[Received]) -> list[Received]:
+    """`first` and everything received after it so far."""
+    messages = [first]
+    while True:
+        try:
+            messages.append(received.receive_nowait())
+        except trio.WouldBlock:
+            return messages
+
+
 async def serve(lane: LaneContext) -> None:
     config = lane.config
     store = AuditStore(config.audit.path)
-    # While a batch gathers, its events wait in the socket: the orchestrator's sends never block,
-    # and one it cannot hand over now is only sent again after `audit.resend_after`.
-    inbox: Inbox = Inbox(config.bind("audit"), AuditInbox, config.tls, buffer=BATCH_BUFFER)
+    inbox: Inbox = Inbox(config.bind("audit"), AuditInbox, config.tls)
     acks = lane.replies()
     lane.heartbeat()
     prune_at = retain(store, lane)
-    while True:
-        messages = [await inbox.next()]
-        if config.audit.batch_seconds > 0:  # the rest of the batch waits in the socket's buffer
-            await trio.sleep(config.audit.batch_seconds)
-        messages += inbox.ready()
-        if time.monotonic() >= prune_at:  # events (heartbeat snapshots at least) keep arriving
-            prune_at = retain(store, lane)
-        events = []
-        for msg in messages:
-            if isinstance(msg, BadMessage):
-                lane.fault("bad_request", str(msg))
-            else:
-                events.append(msg)
-        if not events:
-            continue
-        start_ns = time.time_ns()
-        ids = store.add(events)
-        trace_persisted(lane, events, start_ns)
-        lane.state.runs += len(ids)
-        try:
-            await acks.put(AuditAck(event_ids=ids), timeout=config.timeouts.send)
-        except trio.TooSlowError:
-            lane.fault("timeout", "the orchestrator did not take an audit acknowledgement")
+    # At most what the orchestrator keeps unacknowledged, so never more than it would re-send.
+    into, received = trio.open_memory_channel[Received](config.audit.max_pending)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive_all, inbox, into)
+        while True:
+            first = await received.receive()
+            if config.audit.batch_seconds > 0:
+                await trio.sleep(config.audit.batch_seconds)
+            messages = gathered(first, received)
+            if time.monotonic() >= prune_at:  # events (heartbeat snapshots at least) keep arriving
+                prune_at = retain(store, lane)
+            await persist(lane, store, acks, messages)
+
+
+async def persist(lane: LaneContext, store: AuditStore, acks: Outbox, messages: list[Received]) -> None:
+    """Write the events among `messages` in one transaction, then acknowledge them in one AuditAck."""
+    events = []
+    for msg in messages:
+        if isinstance(msg, BadMessage):
+            lane.fault("bad_request", str(msg))
+        else:
+            events.append(msg)
+    if not events:
+        return
+    start_ns = time.time_ns()
+    ids = store.add(events)
+    trace_persisted(lane, events, start_ns)
+    lane.state.runs += len(ids)
+    try:
+        await acks.put(AuditAck(event_ids=ids), timeout=lane.config.timeouts.send)
+    except trio.TooSlowError:
+        lane.fault("timeout", "the orchestrator did not take an audit acknowledgement")
 
 
 def main() -> None:

@@ -42,22 +42,13 @@ def _prepare(address: str) -> None:
 
 
 def listen(
-    kind: type[pynng.Socket],
-    address: str,
-    tls: Tls | None = None,
-    max_message_bytes: int = MAX_MESSAGE_BYTES,
-    buffer: int = 0,
+    kind: type[pynng.Socket], address: str, tls: Tls | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES
 ) -> pynng.Socket:
     """`max_message_bytes`: nng closes the connection of a peer that sends a larger message, before
-    reading it (a Req peer with resend_time=0 gets ConnectionReset); the socket serves on.
-    `buffer`: messages the socket takes in while its owner is not receiving (nng's own default
-    holds a few, and a peer's non-blocking send behind them fails)."""
+    reading it (a Req peer with resend_time=0 gets ConnectionReset); the socket serves on."""
     _prepare(address)
-    extra = {"recv_buffer_size": buffer} if buffer else {}
     sock = kind(
-        **(OPTIONS | {"recv_max_size": max_message_bytes}),
-        **extra,
-        **socket_options(address, tls, server=True),
+        **(OPTIONS | {"recv_max_size": max_message_bytes}), **socket_options(address, tls, server=True)
     )
     try:
         sock.listen(address)
@@ -117,8 +108,8 @@ class Inbox(Generic[T]):
     """A listening Pull socket that yields decoded messages, or BadMessage for garbage
     (so the owner reports it and carries on: bad bytes never end a loop)."""
 
-    def __init__(self, address: str, union: object, tls: Tls | None = None, buffer: int = 0) -> None:
-        self.sock = listen(pynng.Pull0, address, tls, buffer=buffer)
+    def __init__(self, address: str, union: object, tls: Tls | None = None) -> None:
+        self.sock = listen(pynng.Pull0, address, tls)
         self.codec: Codec[T] = Codec(union)
 
     def decode(self, data: bytes) -> T | BadMessage:
