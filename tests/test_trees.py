@@ -185,7 +185,9 @@ def test_a_suffix_known_on_fewer_tokens_drafts_with_less_weight():
     assert short == {(7, 8): pytest.approx(SHORTER_WEIGHT**2)}
 
 
-@given(st.lists(st.integers(0, 4), min_size=2, max_size=40), st.floats(0, 1), st.sampled_from(["ngram", "auto"]))  # noqa: E501
+@given(
+    st.lists(st.integers(0, 4), min_size=2, max_size=40), st.floats(0, 1), st.sampled_from(["ngram", "auto"])
+)
 def test_a_floor_drops_only_trees_whose_first_node_weighs_less(context, floor, name):
     """A drafter asked with a floor proposes what it would without one, or nothing, and nothing only
     when the tree's likeliest first node would have less than the floor of its candidates' weight."""
