@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.bench.common import WORKLOADS
+from pipeline.decoding.adaptive import RowCosts
 from pipeline.decoding.drafters import Proposal
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
@@ -109,16 +110,15 @@ def main() -> int:
         prefills.append(time.perf_counter() - t0)
     prefill = statistics.median(prefills)
     answer = decode(model, prompt, params, make_draft_source("none", model)).tokens
-    curve = row_seconds(model)
-
-    def seconds(r: int) -> float:  # the calibrated t(r), from the next timed row count up
-        return next((t for t in curve[r - 1 :] if t > 0), curve[-1] * r / len(curve))
+    costs = RowCosts()  # the calibrated curve, read as the controller reads it
+    costs.calibrate(row_seconds(model))
+    one = costs.seconds[1]
 
     def cost(rows: list[int]) -> float:
-        return prefill + sum(seconds(r) for r in rows)
+        return prefill + one * sum(costs.ratio(r) for r in rows)
 
     print(f"{args.workload}: {len(answer)} answer tokens, CPU {cpu_name()} ({', '.join(kernel_flags())}),")
-    print(f"prefill {prefill * 1e3:.1f} ms, t(1) {seconds(1) * 1e3:.2f} ms,", end=" ")
+    print(f"prefill {prefill * 1e3:.1f} ms, t(1) {one * 1e3:.2f} ms,", end=" ")
     print(f"depth {args.depth}, tree {args.nodes} nodes")
     print(f"{'drafter':8} {'walk':10} {'steps':>5} {'ms':>7} {'chain / this':>12}")
     for name in args.drafters.split(","):
