@@ -25,7 +25,6 @@ import functools
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,8 @@ from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
-from pipeline.model import default_model_path, load_model, set_backend
+from pipeline.model import backend_key, default_model_path, load_model, set_backend
+from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.protocol.client import Client
 
 GOAL_WORKLOADS = ("quote", "code")
@@ -415,6 +415,7 @@ def render(results: dict, chart: str | None) -> str:
     lines = [
         f"Peer benchmark, {m['date']}: {m['model']}, {m['max_tokens']} new tokens (EOS ignored), greedy, "
         f"{m['threads']} threads, {m['repeats']} interleaved repeats (medians), on {m['cpu']}.",
+        f"speclanes runtime {m['runtime']}: {m['kernel_path']}; CPU flags {', '.join(m['cpu_flags'])}.",
         "",
         *render_table(results["summary"]),
         "",
@@ -487,16 +488,6 @@ def plot(summary: dict, path: Path, title: str) -> bool:
 # --- main -----------------------------------------------------------------------------
 
 
-def machine_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`speclanes bench peers` and its flags."""
     parser = sub.add_parser(
@@ -536,7 +527,9 @@ def main(args: argparse.Namespace) -> int:
         versions.update({k: str(v) for k, v in worker.info.items() if k != "threads"})
     summary = summarise(runs, rows)
     results = {
-        "meta": {"date": datetime.date.today().isoformat(), "model": model_path.name, "cpu": machine_cpu(),
+        "meta": {"date": datetime.date.today().isoformat(), "model": model_path.name,
+                 "cpu": f"{cpu_name()}, {os.cpu_count()} cores", "cpu_flags": kernel_flags(),
+                 "runtime": backend_key(model), "kernel_path": model.describe(),
                  "max_tokens": args.max_tokens, "threads": threads, "repeats": args.repeats,
                  "lookup_tokens": args.lookup_tokens, "versions": versions},
         "summary": summary, "goal": goal(summary), "load": load, "skipped": skipped,
