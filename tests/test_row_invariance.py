@@ -33,6 +33,12 @@ SPECS = {
     "f32-untied": TinySpec(tied=False, seed=13),  # bf16 products, a head requantized to Q8_0
     "qwen2-bias-q4_1": TinySpec(architecture="qwen2", qkv_bias=True, quant="Q4_1", seed=14),
     "q8_0": TinySpec(quant="Q8_0", seed=15),
+    "q5_1": TinySpec(quant="Q5_1", seed=16),
+    # as llama-quantize's Q4_K_M does with rows of 320: Q5_0 for Q/K/V, O, gate and up, Q6_K down
+    "q4_k_m-q5_0-q6_k": TinySpec(quant="Q4_K_M", d_model=320, d_ff=512, n_heads=5, n_kv_heads=1, seed=17),
+    # Q/K Q4_K and V Q6_K: a product in two parts
+    "q4_k_m-in-parts": TinySpec(quant="Q4_K_M", d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, seed=18),
+    "q5_k": TinySpec(quant="Q5_K", d_model=256, d_ff=256, n_heads=4, n_kv_heads=2, seed=19),
 }
 
 
@@ -154,15 +160,23 @@ def near_tie_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     return weights
 
 
-@pytest.fixture(scope="module", params=FAST_BACKENDS)
+FLAT = {
+    "Q4_1": TinySpec(seed=31, quant="Q4_1"),
+    "Q4_K_M": TinySpec(seed=31, quant="Q4_K_M", d_model=256, d_ff=512),
+}
+
+
+@pytest.fixture(scope="module", params=[*FAST_BACKENDS, "native-Q4_K_M"])
 def flat_models(request, tmp_path_factory):
     """Target and draft with near-tied logits: where a runtime that is not row-invariant would
-    pick different argmaxes in a block and alone."""
+    pick different argmaxes in a block and alone. On each fast backend with Q4_1 blocks, and on
+    the native one with Q4_K, Q6_K and Q8_0 blocks side by side."""
+    backend, _, quant = request.param.partition("-")
     root = tmp_path_factory.mktemp("flat")
     for name, scale in (("target", 1.0), ("draft", 0.8)):
-        spec = TinySpec(seed=31, scale=scale, quant="Q4_1")
+        spec = replace(FLAT[quant or "Q4_1"], scale=scale)
         write_tiny_gguf(root / f"{name}.gguf", replace(spec, weights=near_tie_weights(spec)))
-    return load_model(root / "target.gguf", request.param), load_model(root / "draft.gguf", request.param)
+    return load_model(root / "target.gguf", backend), load_model(root / "draft.gguf", backend)
 
 
 @settings(max_examples=30, deadline=None)

@@ -14,6 +14,8 @@ import gguf
 import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
 
+from . import kquants
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
 CHAT_TEMPLATE = (
@@ -46,7 +48,7 @@ class TinySpec:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     seed: int = 0
-    quant: str = "F32"  # or "Q8_0" for the matrices
+    quant: str = "F32"  # the matrices' block type (tests/kquants.py: BLOCK_TYPES), or "Q4_K_M": tensor_type
     scale: float = 0.35
     weights: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -94,6 +96,18 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
     return w
 
 
+def tensor_type(spec: TinySpec, name: str, n_in: int) -> str:
+    """A 2-D tensor's block type. "Q4_K_M" mixes them as llama-quantize does: Q6_K for V, the
+    down projection and the embedding, Q4_K elsewhere, and where a row is not a whole number of
+    256-value super-blocks, Q5_0 (for Q4_K) or Q8_0 (for Q6_K)."""
+    if spec.quant != "Q4_K_M":
+        return spec.quant
+    wide = any(part in name for part in ("attn_v", "ffn_down", "token_embd", "output."))
+    if n_in % 256:
+        return "Q8_0" if wide else "Q5_0"
+    return "Q6_K" if wide else "Q4_K"
+
+
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q/K rows of llama models."""
     n_out = w.shape[0]
@@ -126,22 +140,22 @@ def write_tiny_gguf(path: Path, spec: TinySpec) -> dict[str, np.ndarray]:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    qtype = gguf.GGMLQuantizationType[spec.quant]
     reference = {}
     for name, array in weights.items():
         if arch == "llama" and ".attn_q." in name:
             array = _permute(array, spec.n_heads)
         elif arch == "llama" and ".attn_k." in name:
             array = _permute(array, spec.n_kv_heads)
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        kind = tensor_type(spec, name, array.shape[-1]) if array.ndim == 2 else "F32"
+        if kind != "F32":
+            writer.add_tensor(name, kquants.quantize(array, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             writer.add_tensor(name, array)
         # Quantization is per row, so it commutes with the row permutation: the
         # reference sees exactly the values the file holds, in unpermuted order.
         original = weights[name]
-        if original.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            original = gguf.quants.dequantize(gguf.quants.quantize(original, qtype), qtype)
+        if kind != "F32":
+            original = kquants.dequantize(kquants.quantize(original, kind), kind).reshape(original.shape)
         reference[name] = original
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -21,8 +21,8 @@ import numpy as np
 from pipeline.model.config import ModelConfig
 from pipeline.model.fast_products import NativeProducts
 from pipeline.model.llama import KVCache, Rope, batch_parents, validate_batch
-from pipeline.model.native import CLayer, CMatrix, CScratch, CSequence, row_kernels
-from pipeline.model.native_weights import NativeMatrix
+from pipeline.model.native import MAX_PARTS, CLayer, CMatrix, CPart, CScratch, CSequence, row_kernels
+from pipeline.model.native_weights import KINDS, NativeMatrix
 from pipeline.model.tokenizer import Tokenizer
 
 
@@ -48,8 +48,11 @@ class RowCache(KVCache):
 def c_layers(layers: list[dict[str, Any]]) -> ctypes.Array:
     """The layers as layers.c's structs, built once: their arrays are memory-mapped and never move."""
 
-    def matrix(m: NativeMatrix) -> CMatrix:
-        return CMatrix(m.data.ctypes.data, int(m.kind == "Q8_0"), m.n_out, m.n_in)
+    def matrix(parts: list[NativeMatrix]) -> CMatrix:
+        if len(parts) > MAX_PARTS:
+            raise ValueError(f"a product of {len(parts)} parts (layers.c takes {MAX_PARTS})")
+        c_parts = [CPart(m.data.ctypes.data, KINDS[m.kind], m.n_out) for m in parts]
+        return CMatrix((CPart * MAX_PARTS)(*c_parts), len(parts), sum(m.n_out for m in parts), parts[0].n_in)
 
     return (CLayer * len(layers))(*[
         CLayer(lw["attn_norm"].ctypes.data, lw["ffn_norm"].ctypes.data,
@@ -167,7 +170,7 @@ class FastModel:
         widest = max(cfg.d_model, cfg.q_dim, cfg.d_ff)
         sizes = {"h": 4 * cfg.d_model, "qkv": 4 * (cfg.q_dim + 2 * cfg.kv_dim), "attn": 4 * cfg.q_dim,
                  "gate_up": 8 * cfg.d_ff, "act": 4 * cfg.d_ff, "out": 4 * cfg.d_model, "xq": widest,
-                 "dx": widest // 8, "sx": widest // 8}  # fmt: skip
+                 "dx": widest // 8, "sx": widest // 8, "sh": widest // 8}  # fmt: skip
         offsets, total = {}, 0
         for name, size in sizes.items():
             offsets[name] = total

@@ -3,12 +3,12 @@
 Both take float32 activations and give float32 outputs, so `fast_llama` runs one forward for
 either; both are row-invariant (a row's outputs never depend on the other rows):
 - `NativeProducts` ("native"): activations quantized to 8 bits per block of 32, times the GGUF's
-  own 4/8-bit blocks with exact integer sums (products.c; AVX512-VNNI where the CPU has it).
+  own 4/5/6/8-bit blocks with exact integer sums (products.c; AVX512-VNNI where the CPU has it).
 - `TorchProducts` ("torch"): bfloat16 activations times torch's int4 group-32 layout
   (`_weight_int4pack_mm_for_cpu`) or bfloat16 matrices (`F.linear`, one row per call: oneDNN's
   bf16 GEMM picks its blocking by the row count, and on Zen 4 (AVX512-BF16) that changed single
   rows' bits at about 1 forward in 13; a one-row product always takes the same path).
-The LM head is a native Q8_0 product in both, so its logits come out in float32.
+The LM head is a native product (of its file blocks) in both, so its logits come out in float32.
 """
 
 from __future__ import annotations
@@ -18,17 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.model.native_weights import NativeMatrix
+from pipeline.model.native_weights import KINDS, NativeMatrix
 
 
 class Quantized:
-    """One activation matrix in 8-bit blocks: values, per-block scale and per-block sum."""
+    """One activation matrix in 8-bit blocks: values, per-block scale, per-block sum and the sum of
+    each block's first 16 values (for Q6_K's halves)."""
 
     def __init__(self, rows: int, width: int) -> None:
         self.rows, self.width = rows, width
         self.q = np.empty((rows, width), np.int8)
         self.scale = np.empty((rows, width // 32), np.float32)
         self.sums = np.empty((rows, width // 32), np.int32)
+        self.half_sums = np.empty((rows, width // 32), np.int32)
 
 
 class NativeProducts:
@@ -41,13 +43,20 @@ class NativeProducts:
         rows, width = x.shape
         quantized = Quantized(rows, width)
         self.lib.quantize_q8(x.ctypes.data, rows, width, quantized.q.ctypes.data, quantized.scale.ctypes.data,
-                             quantized.sums.ctypes.data)  # fmt: skip
+                             quantized.sums.ctypes.data, quantized.half_sums.ctypes.data)  # fmt: skip
         return quantized
 
-    def apply(self, a: Quantized, w: NativeMatrix) -> np.ndarray:
-        out = np.empty((a.rows, w.n_out), np.float32)
-        self.lib.gemm_blocks(a.q.ctypes.data, a.scale.ctypes.data, a.sums.ctypes.data, a.rows, a.width,
-                             w.data.ctypes.data, int(w.kind == "Q8_0"), w.n_out, out.ctypes.data)  # fmt: skip
+    def apply(self, a: Quantized, w: NativeMatrix | list[NativeMatrix]) -> np.ndarray:
+        """a times the matrix, or times its parts side by side (a layer's product)."""
+        parts = w if isinstance(w, list) else [w]
+        n = sum(part.n_out for part in parts)
+        out = np.empty((a.rows, n), np.float32)
+        column = 0
+        for part in parts:
+            self.lib.gemm_blocks(a.q.ctypes.data, a.scale.ctypes.data, a.sums.ctypes.data,
+                                 a.half_sums.ctypes.data, a.rows, a.width, part.data.ctypes.data,
+                                 KINDS[part.kind], part.n_out, out.ctypes.data + 4 * column, n)  # fmt: skip
+            column += part.n_out
         return out
 
 

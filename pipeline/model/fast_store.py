@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,10 @@ from pipeline.model.errors import BackendUnavailable
 from pipeline.model.fast_llama import FastModel
 from pipeline.model.fast_products import NativeProducts
 from pipeline.model.native import row_kernels
-from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, pack, read_file_blocks
+from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, Parts, pack, read_file_blocks
 from pipeline.model.store import cache_directory, load_prepared
 
-FORMAT_VERSION = 3  # 3: Q8_0 values stored as q + 128
+FORMAT_VERSION = 4  # 3: Q8_0 values stored as q + 128; 4: K-quant and Q5 blocks, products in parts
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
 
 
@@ -44,14 +45,16 @@ def _publish(staging: Path, target: Path) -> None:
 
 def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     arrays: dict[str, np.ndarray] = {"out_norm": blocks.out_norm}
-    meta: dict[str, Any] = {"exact": blocks.exact(), "matrices": {}}
+    meta: dict[str, Any] = {"exact": blocks.exact(), "matrices": {}, "requantized": blocks.requantized}
     if blocks.rope_freqs is not None:
         arrays["rope_freqs"] = blocks.rope_freqs
 
-    def put(key: str, quant: tuple) -> None:
-        matrix = pack(*quant)
-        arrays[key] = matrix.data
-        meta["matrices"][key] = [matrix.kind, matrix.n_out, matrix.n_in, matrix.exact]
+    def put(key: str, parts: Parts) -> None:
+        meta["matrices"][key] = []
+        for index, quant in enumerate(parts):
+            matrix = pack(*quant)
+            arrays[f"{key}.{index}"] = matrix.data
+            meta["matrices"][key].append([matrix.kind, matrix.n_out, matrix.n_in, matrix.exact])
 
     for i, layer in enumerate(blocks.layers):
         for name in ("attn_norm", "ffn_norm", "bqkv"):
@@ -59,7 +62,7 @@ def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str,
                 arrays[f"{i}.{name}"] = layer[name]
         for name in MATRICES:
             put(f"{i}.{name}", layer[name])
-    put("head", blocks.head)
+    put("head", [blocks.head])
     return arrays, meta
 
 
@@ -76,9 +79,9 @@ def load_native(path: Path) -> FastModel:
     manifest = json.loads((directory / "manifest.json").read_text())
     arrays = {key: np.load(directory / f"{key}.npy", mmap_mode="r") for key in manifest["arrays"]}
 
-    def matrix(key: str) -> NativeMatrix:
-        kind, n_out, n_in, exact = manifest["matrices"][key]
-        return NativeMatrix(kind, arrays[key], n_out, n_in, exact)
+    def matrix(key: str) -> list[NativeMatrix]:
+        return [NativeMatrix(kind, arrays[f"{key}.{index}"], n_out, n_in, exact)
+                for index, (kind, n_out, n_in, exact) in enumerate(manifest["matrices"][key])]  # fmt: skip
 
     layers = [
         {"attn_norm": np.asarray(arrays[f"{i}.attn_norm"]), "ffn_norm": np.asarray(arrays[f"{i}.ffn_norm"]),
@@ -86,20 +89,29 @@ def load_native(path: Path) -> FastModel:
          **{name: matrix(f"{i}.{name}") for name in MATRICES}}
         for i in range(cfg.n_layers)
     ]  # fmt: skip
-    head = matrix("head")
-    kinds = sorted({m.kind for layer in layers for m in (layer[n] for n in MATRICES)})
-    step_bytes = sum(int(layer[n].data.nbytes) for layer in layers for n in MATRICES) + int(head.data.nbytes)
-    exactness = "the file's own blocks" if manifest["exact"] else "some matrices requantized to Q8_0"
+    (head,) = matrix("head")
+    parts = [part for layer in layers for n in MATRICES for part in layer[n]]
+    kinds = sorted({m.kind for m in parts})
+    step_bytes = sum(int(m.data.nbytes) for m in parts) + int(head.data.nbytes)
     description = (
-        f"native q8: layer weights {'/'.join(kinds)} ({exactness}), head {head.kind}, activations int8 per "
-        f"32 into every product with exact integer sums, f32 residual/norm/RoPE/attention/KV; "
-        f"{'AVX512-VNNI' if vnni() else 'portable C'} products"
+        f"native q8: layer weights {'/'.join(kinds)} ({requantized_note(manifest['requantized'])}), head "
+        f"{head.kind}, activations int8 per 32 into every product with exact integer sums, "
+        f"f32 residual/norm/RoPE/attention/KV; {'AVX512-VNNI' if vnni() else 'portable C'} products"
     )
     return FastModel(
         cfg, layers, np.asarray(arrays["out_norm"]), head,
         np.asarray(arrays["rope_freqs"]) if "rope_freqs" in arrays else None,
         reference["embed"], tokenizer, NativeProducts(row_kernels()), "q8", description, step_bytes,
     )  # fmt: skip
+
+
+def requantized_note(requantized: dict[str, str]) -> str:
+    """What describe() says of the matrices not held as the file's own blocks, by their file type."""
+    if not requantized:
+        return "the file's own blocks"
+    counts = Counter(requantized.values())
+    listed = ", ".join(f"{kind} x{n}" for kind, n in sorted(counts.items()))
+    return f"the file's own blocks but {len(requantized)} tensors requantized to Q8_0 here: {listed}"
 
 
 def vnni() -> bool:
@@ -126,7 +138,7 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
         }
         flat["layers"] = [
             {**{n: layer[n] for n in ("attn_norm", "ffn_norm", "bqkv")},
-             **{n: torch_matrix(layer[n][0], weight_format) for n in MATRICES}}
+             **{n: torch_matrix(layer[n], weight_format) for n in MATRICES}}
             for layer in blocks.layers
         ]  # fmt: skip
         fd, staging = tempfile.mkstemp(prefix=".pack-", suffix=".pt", dir=target.parent)

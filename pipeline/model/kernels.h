@@ -15,6 +15,6 @@ void silu_mul_f32(const float *gate_up, int rows, int ff, float *out);
 void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, const int *parents,
                      const float *cos, const float *sin, float *kt, float *v, int cap, int n_heads, int n_kv,
                      int hd, float scale, float *out);
-void quantize_q8(const float *x, int rows, int k, int8_t *xq, float *dx, int32_t *sx);
-void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, int rows, int k, const uint8_t *w,
-                 int kind, int n, float *out);
+void quantize_q8(const float *x, int rows, int k, int8_t *xq, float *dx, int32_t *sx, int32_t *sh);
+void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, const int32_t *sh, int rows, int k,
+                 const uint8_t *w, int kind, int n, float *out, int ldo);

@@ -7,10 +7,19 @@
 
 #include "kernels.h"
 
+#define MAX_PARTS 3
+
+/* A product's weights: one part per block kind, side by side along the outputs (a fused Q/K/V
+ * whose V is Q6_K and Q/K Q4_K is two parts; one kind throughout is one part). */
 typedef struct {
     const uint8_t *data; /* products.c's tiles */
-    int kind;            /* 0: Q4_1 form, 1: Q8_0 */
-    int n_out, n_in;
+    int kind;            /* products.c's enum */
+    int n_out;
+} Part;
+
+typedef struct {
+    Part parts[MAX_PARTS];
+    int n_parts, n_out, n_in;
 } Matrix;
 
 typedef struct {
@@ -28,12 +37,15 @@ typedef struct {
     float *h, *qkv, *attn, *gate_up, *act, *out; /* activations: rows x the widest use */
     int8_t *xq;                                   /* rows x the widest product input */
     float *dx;
-    int32_t *sx;
+    int32_t *sx, *sh;
 } Scratch;
 
+/* The activations are quantized once; each part writes its own columns of out. */
 static void product(const float *x, int rows, const Matrix *m, Scratch *s, float *out) {
-    quantize_q8(x, rows, m->n_in, s->xq, s->dx, s->sx);
-    gemm_blocks(s->xq, s->dx, s->sx, rows, m->n_in, m->data, m->kind, m->n_out, out);
+    quantize_q8(x, rows, m->n_in, s->xq, s->dx, s->sx, s->sh);
+    for (int p = 0, column = 0; p < m->n_parts; column += m->parts[p].n_out, p++)
+        gemm_blocks(s->xq, s->dx, s->sx, s->sh, rows, m->n_in, m->parts[p].data, m->parts[p].kind,
+                    m->parts[p].n_out, out + column, m->n_out);
 }
 
 /* x (rows, d): embeddings in, the last layer's residual stream out. */

@@ -36,14 +36,21 @@ SIGNATURES = {
     "add_f32": (_P, _P, _I),
     "silu_mul_f32": (_P, _I, _I, _P),
     "rope_attend_f32": (_P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P),
-    "quantize_q8": (_P, _I, _I, _P, _P, _P),
-    "gemm_blocks": (_P, _P, _P, _I, _I, _P, _I, _I, _P),
+    "quantize_q8": (_P, _I, _I, _P, _P, _P, _P),
+    "gemm_blocks": (_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I),
     "has_vnni": (),
 }
 
 
+MAX_PARTS = 3  # layers.c
+
+
+class CPart(ctypes.Structure):
+    _fields_ = (("data", _P), ("kind", _I), ("n_out", _I))
+
+
 class CMatrix(ctypes.Structure):
-    _fields_ = (("data", _P), ("kind", _I), ("n_out", _I), ("n_in", _I))
+    _fields_ = (("parts", CPart * MAX_PARTS), ("n_parts", _I), ("n_out", _I), ("n_in", _I))
 
 
 class CLayer(ctypes.Structure):
@@ -57,7 +64,9 @@ class CSequence(ctypes.Structure):
 
 
 class CScratch(ctypes.Structure):
-    _fields_ = tuple((name, _P) for name in ("h", "qkv", "attn", "gate_up", "act", "out", "xq", "dx", "sx"))
+    _fields_ = tuple(
+        (name, _P) for name in ("h", "qkv", "attn", "gate_up", "act", "out", "xq", "dx", "sx", "sh")
+    )
 
 
 SIGNATURES["forward_layers"] = (

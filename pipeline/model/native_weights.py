@@ -1,15 +1,16 @@
-"""The native backend's weights: the GGUF's own 4- and 8-bit blocks, re-laid for `products.c`.
+"""The native backend's weights: the GGUF's own blocks, re-laid for `products.c`.
 
-- Q4_0 and Q4_1 matrices keep their 4-bit values and float16 d (and m) exactly, in tiles of
-  16 outputs x 32 inputs (the layout is described at the top of products.c).
-- Q8_0 matrices, the tied LM head among them, keep their int8 values (stored as the unsigned
-  bytes q + 128) and float16 d exactly.
-- Any other type (F32, F16, BF16, K-quants) is dequantized and quantized to Q8_0 here: a
+- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices keep their integer values and their
+  float16 scales (and the K-quants' 6- or 8-bit sub-block scales) exactly, in tiles of 16
+  outputs (the layout and the arithmetic are described at the top of products.c). Those are the
+  types a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 download holds.
+- Any other type (F32, F16, BF16, other quants) is dequantized and quantized to Q8_0 here: a
   near-exact form, named in the model's `describe()`; never a silent approximation.
 
-Q/K rows are un-permuted by reordering whole rows (blocks move, values do not change); Q/K/V
-and gate/up are fused along the output axis. An output count that is not a multiple of 16 is
-padded with zero rows whose outputs are dropped.
+Q/K rows are un-permuted by reordering whole rows (blocks move, values do not change). Q/K/V and
+gate/up are fused along the output axis into one part per run of one block type: a product whose
+Q and K are Q4_K and whose V is Q6_K is two parts, each multiplied on its own (layers.c). An
+output count that is not a multiple of 16 is padded with zero rows whose outputs are dropped.
 """
 
 from __future__ import annotations
@@ -23,42 +24,101 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.errors import ModelFileError
 from pipeline.model.gguf_file import SUPPORTED_ARCHITECTURES, _open, _tensor, unpermute_order
 
-GROUP, TILE = 32, 16
-EXACT_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+GROUP, TILE, SUPER = 32, 16, 256
+# products.c's kind for each block type held as it is (its enum)
+KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1, "Q5_0": 2, "Q5_1": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+EXACT_KINDS = tuple(KINDS)
+SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # scales per super-block of 256 inputs
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
+# bytes of one block of 32 (per-block types) or of one super-block of 256 (K types) in the file
+BLOCK_BYTES = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q8_0": 34,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}
 
 
 class QuantBlocks(NamedTuple):
-    """A matrix as the file's blocks: values, float16 d, and (Q4_1) float16 m, rows = outputs."""
+    """A matrix as the file's blocks, rows = outputs.
 
-    kind: str  # Q4_0 | Q4_1 | Q8_0
-    q: np.ndarray  # (out, in): uint8 0..15 for Q4, int8 for Q8
-    d: np.ndarray  # (out, in / 32) float16
-    m: np.ndarray | None  # (out, in / 32) float16, Q4_1 only
+    q holds the unsigned integer values u (Q8_0: the signed q, stored as q + 128 when packed);
+    the other fields are the file's scales, exactly, per block of 32 or per super-block of 256:
+    - Q4_0, Q5_0, Q8_0: d per block;  Q4_1, Q5_1: d and m per block;
+    - Q4_K, Q5_K: d and m (the file's dmin) per super-block, sc and mn (0..63) per block;
+    - Q6_K: d per super-block, sc (int8) per 16 values.
+    """
+
+    kind: str
+    q: np.ndarray  # (out, in) uint8 (Q8_0: int8)
+    d: np.ndarray  # float16
+    m: np.ndarray | None = None  # float16
+    sc: np.ndarray | None = None  # uint8 (Q4_K, Q5_K) or int8 (Q6_K)
+    mn: np.ndarray | None = None  # uint8
 
     def rows(self, order: np.ndarray) -> QuantBlocks:
-        return QuantBlocks(self.kind, self.q[order], self.d[order], None if self.m is None else self.m[order])
+        return QuantBlocks(*(self.kind, *(None if a is None else a[order] for a in self[1:])))
 
 
 class NativeMatrix(NamedTuple):
-    kind: str  # Q4_0 | Q4_1 | Q8_0
-    data: np.ndarray  # (tiles, in / 32, bytes per tile-block) uint8
+    kind: str  # a key of KINDS
+    data: np.ndarray  # (tiles, units, bytes per tile-unit) uint8: units are blocks, or K super-blocks
     n_out: int  # the real output count (data may hold padding up to a multiple of 16)
     n_in: int
     exact: bool  # the file's own blocks (False: quantized to Q8_0 here)
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
+def _low_high(packed: np.ndarray) -> np.ndarray:
+    """Bytes holding values i (low nibble) and i + len (high nibble), as the values in order."""
+    return np.concatenate([packed & 0xF, packed >> 4], axis=-1)
+
+
 def split_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantBlocks:
-    """Parse raw GGUF bytes of a Q4_0/Q4_1/Q8_0 tensor of (out, in) `shape`."""
+    """Parse the raw GGUF bytes of a `kind` tensor of (out, in) `shape` (ggml's block layouts)."""
     n_out, n_in = shape
-    width = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(n_out, n_in // GROUP, width)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    per = SUPER if kind in SUPER_KINDS else GROUP
+    b = np.asarray(raw, dtype=np.uint8).reshape(n_out, n_in // per, BLOCK_BYTES[kind])
     if kind == "Q8_0":
-        return QuantBlocks(kind, blocks[..., 2:].view(np.int8).reshape(n_out, n_in), d, None)
-    packed = blocks[..., width - 16 :]
-    q = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(n_out, n_in)
-    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "Q4_1" else None
-    return QuantBlocks(kind, q, d, m)
+        return QuantBlocks(kind, b[..., 2:].view(np.int8).reshape(n_out, n_in), _f16(b[..., 0:2]))
+    if kind in ("Q4_0", "Q4_1"):
+        m = _f16(b[..., 2:4]) if kind == "Q4_1" else None
+        return QuantBlocks(kind, _low_high(b[..., -16:]).reshape(n_out, n_in), _f16(b[..., 0:2]), m)
+    if kind in ("Q5_0", "Q5_1"):
+        at = 4 if kind == "Q5_1" else 2
+        high = np.unpackbits(b[..., at : at + 4], axis=-1, bitorder="little")  # bit i: value i's fifth bit
+        q = _low_high(b[..., -16:]) | (high << 4)
+        m = _f16(b[..., 2:4]) if kind == "Q5_1" else None
+        return QuantBlocks(kind, q.reshape(n_out, n_in), _f16(b[..., 0:2]), m)
+    if kind in ("Q4_K", "Q5_K"):
+        import gguf
+
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+        qs = b[..., -128:].reshape(n_out, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n_out, -1, 8, 32)
+        if kind == "Q5_K":
+            qh = b[..., 16:48].reshape(n_out, -1, 1, 32)  # bit s of byte l: value l of sub-block s
+            q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
+        return QuantBlocks(
+            kind, q.reshape(n_out, n_in), d, dmin, sc.reshape(n_out, -1), mn.reshape(n_out, -1)
+        )
+    if kind == "Q6_K":
+        ql = b[..., :128].reshape(n_out, -1, 2, 64)  # two halves of 128 values
+        qh = b[..., 128:192].reshape(n_out, -1, 2, 1, 32)
+        low = np.concatenate([ql & 0xF, ql >> 4], axis=-1).reshape(n_out, -1, 2, 4, 32)
+        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+        q = (low | (high << 4)).reshape(n_out, n_in)
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n_out, -1)
+        return QuantBlocks(kind, q, _f16(b[..., 208:210]), sc=sc)
+    raise ModelFileError(f"block type {kind} is not held natively")
 
 
 def quantize_q8_0(w: np.ndarray) -> QuantBlocks:
@@ -74,42 +134,94 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
+def _values(blocks: QuantBlocks, tiles: int) -> np.ndarray:
+    """Each block's values in products.c's groups: (tiles, blocks, value bytes)."""
+    nb = blocks.q.shape[1] // GROUP
+    q = _pad_rows(blocks.q, tiles * TILE)
+    if blocks.kind == "Q8_0":  # as unsigned bytes q + 128: one integer product serves every kind
+        u = (q.view(np.uint8) ^ np.uint8(0x80)).reshape(tiles, TILE, nb, 8, 4)
+        return u.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
+    groups = q.reshape(tiles, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # (tile, block, group, column, j)
+    low = groups & 0xF
+    parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(tiles, nb, 256)]
+    bits = BITS[blocks.kind]
+    if bits == 5:  # bit g of the plane's byte: the fifth bit of group g's byte
+        fifth = ((groups >> 4) & 1).astype(np.uint8) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1, 1)
+        parts.append(np.bitwise_or.reduce(fifth, axis=2).reshape(tiles, nb, 64))
+    elif bits == 6:  # bits 2j, 2j + 1 of plane h: bits 4 and 5 of group 4h + j's byte
+        top = ((groups >> 4) & 3).reshape(tiles, nb, 2, 4, TILE, 4)
+        top = top << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1, 1)
+        parts.append(np.bitwise_or.reduce(top, axis=3).reshape(tiles, nb, 128))
+    return np.concatenate(parts, axis=-1).astype(np.uint8)
+
+
+def _per_tile(a: np.ndarray, tiles: int) -> np.ndarray:
+    """(out, units, k...) scales as (tiles, units, k..., 16 columns) bytes."""
+    a = _pad_rows(a, tiles * TILE)
+    a = a.reshape(tiles, TILE, *a.shape[1:])
+    return np.moveaxis(a, 1, -1).copy().view(np.uint8).reshape(tiles, a.shape[2], -1)
+
+
 def pack(blocks: QuantBlocks, exact: bool = True) -> NativeMatrix:
-    """Re-lay blocks into products.c's tiles: per (tile, block) the values, then d (and m)."""
+    """Re-lay blocks into products.c's tiles: per (tile, unit) the values, then the scales."""
     n_out, n_in = blocks.q.shape
-    padded = -(-n_out // TILE) * TILE
-    tiles, nb = padded // TILE, n_in // GROUP
-    q = _pad_rows(blocks.q, padded)
-    m = blocks.m
-    if blocks.kind == "Q4_0":  # w = d (q - 8) = d q + m with m = -8 d, exact in float16
-        m = (blocks.d * np.float16(-8)).astype(np.float16)
-    halves = [_pad_rows(h, padded) for h in (blocks.d, m) if h is not None]
-    if blocks.kind == "Q8_0":  # as unsigned bytes q + 128: products.c's one integer product serves both kinds
-        unsigned = q.view(np.uint8) ^ np.uint8(0x80)
-        values = unsigned.reshape(tiles, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
+    tiles = -(-n_out // TILE)
+    values = _values(blocks, tiles)
+    kind = blocks.kind
+    if kind in SUPER_KINDS:
+        units = n_in // SUPER
+        values = values.reshape(tiles, units, -1)
+        if kind == "Q6_K":  # sc per 16 values: (out, block, half)
+            scales = [_per_tile(blocks.sc.reshape(n_out, units, 8, 2), tiles), _per_tile(blocks.d, tiles)]
+        else:
+            scales = [_per_tile(blocks.sc.reshape(n_out, units, 8), tiles),
+                      _per_tile(blocks.mn.reshape(n_out, units, 8), tiles),
+                      _per_tile(blocks.d, tiles), _per_tile(blocks.m, tiles)]  # fmt: skip
     else:
-        nib = q.reshape(tiles, TILE, nb, 4, 2, 4)  # (tile, column, block, part, low/high, j)
-        values = (nib[..., 0, :] | (nib[..., 1, :] << 4)).astype(np.uint8)
-        values = values.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, 256)
-    scales = [h.reshape(tiles, TILE, nb).transpose(0, 2, 1).copy().view(np.uint8) for h in halves]
+        m = blocks.m
+        if kind in ("Q4_0", "Q5_0"):  # w = d (u - 8 or 16) = d u + m with m = -8 d or -16 d: exact in float16
+            m = (blocks.d * np.float16(-(1 << (BITS[kind] - 1)))).astype(np.float16)
+        scales = [_per_tile(h, tiles) for h in (blocks.d, m) if h is not None]
     data = np.ascontiguousarray(np.concatenate([values, *scales], axis=-1))
-    return NativeMatrix(blocks.kind, data, n_out, n_in, exact)
+    return NativeMatrix(kind, data, n_out, n_in, exact)
 
 
 MATRICES = ("wqkv", "wo", "wgu", "wdown")
 
 
+Parts = list[tuple[QuantBlocks, bool]]  # a product's weights: (blocks, exact) per run of one kind
+
+
 class FileBlocks(NamedTuple):
     """Every weight of a file in block form, fused and un-permuted: what both fast backends pack."""
 
-    layers: list[dict[str, Any]]  # attn_norm, ffn_norm (f32), bqkv (f32 or None), and MATRICES
+    layers: list[dict[str, Any]]  # attn_norm, ffn_norm (f32), bqkv (f32 or None), and MATRICES as Parts
     out_norm: np.ndarray
     head: tuple[QuantBlocks, bool]
     rope_freqs: np.ndarray | None
+    requantized: dict[str, str]  # tensor name -> its type in the file, for those held as Q8_0 here
 
     def exact(self) -> bool:
         """All matrices are the file's own blocks (none was quantized to Q8_0 here)."""
-        return self.head[1] and all(layer[name][1] for layer in self.layers for name in MATRICES)
+        parts = [part for layer in self.layers for name in MATRICES for part in layer[name]]
+        return self.head[1] and all(exact for _, exact in parts)
+
+
+def fuse(blocks: list[QuantBlocks]) -> QuantBlocks:
+    """Blocks of one kind side by side along the outputs."""
+    fields = zip(*(b[1:] for b in blocks), strict=True)
+    return QuantBlocks(blocks[0].kind, *(None if f[0] is None else np.concatenate(f) for f in fields))
+
+
+def fuse_runs(got: Parts) -> Parts:
+    """Consecutive tensors of one kind become one part: fewer, larger products."""
+    runs: Parts = []
+    for blocks, exact in got:
+        if runs and runs[-1][0].kind == blocks.kind:
+            runs[-1] = (fuse([runs[-1][0], blocks]), runs[-1][1] and exact)
+        else:
+            runs.append((blocks, exact))
+    return runs
 
 
 def read_file_blocks(path: Path, cfg: ModelConfig) -> FileBlocks:
@@ -119,6 +231,7 @@ def read_file_blocks(path: Path, cfg: ModelConfig) -> FileBlocks:
     tensors = {t.name: t for t in reader.tensors}
     permuted = SUPPORTED_ARCHITECTURES[cfg.architecture]["permuted"]
     d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.q_dim, cfg.kv_dim
+    requantized: dict[str, str] = {}
 
     def f32(name: str, *shape: int) -> np.ndarray:
         return _tensor(reader, tensors, name, tuple(shape))
@@ -132,25 +245,17 @@ def read_file_blocks(path: Path, cfg: ModelConfig) -> FileBlocks:
         if got != shape:
             raise ModelFileError(f"tensor {name!r} has shape {got}, expected {shape}")
         kind = tensor.tensor_type.name
-        exact = kind in EXACT_KINDS and n_in % GROUP == 0
+        exact = kind in EXACT_KINDS and n_in % (SUPER if kind in SUPER_KINDS else GROUP) == 0
         blocks = split_blocks(tensor.data, kind, shape) if exact else quantize_q8_0(f32(name, *shape))
+        if not exact:
+            requantized[name] = kind
         if heads and permuted:
             blocks = blocks.rows(unpermute_order(n_out, heads))
         return blocks, exact
 
-    def matrix(parts: list[tuple[str, int, int | None]], n_in: int) -> tuple[QuantBlocks, bool]:
-        """Parts fused along the output axis; all must share one kind, else all become Q8_0."""
-        got = [blocks_of(name, rows, n_in, heads) for name, rows, heads in parts]
-        kinds = {b.kind for b, _ in got}
-        if len(kinds) > 1:
-            got = [(quantize_q8_0(dequantize(b)), False) for b, _ in got]
-        fused = QuantBlocks(
-            got[0][0].kind,
-            np.concatenate([b.q for b, _ in got]),
-            np.concatenate([b.d for b, _ in got]),
-            None if got[0][0].m is None else np.concatenate([b.m for b, _ in got]),
-        )
-        return fused, all(exact for _, exact in got)
+    def matrix(parts: list[tuple[str, int, int | None]], n_in: int) -> Parts:
+        """Tensors fused along the output axis, one part per run of one kind."""
+        return fuse_runs([blocks_of(name, rows, n_in, heads) for name, rows, heads in parts])
 
     if d % GROUP or f % GROUP or q % GROUP:
         raise ModelFileError(f"the native backend needs widths that are multiples of {GROUP}")
@@ -175,15 +280,30 @@ def read_file_blocks(path: Path, cfg: ModelConfig) -> FileBlocks:
             "wdown": matrix([(p + "ffn_down.weight", d, None)], f),
         })  # fmt: skip
     head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    head = matrix([(head_name, cfg.vocab_size, None)], d)
+    (head,) = matrix([(head_name, cfg.vocab_size, None)], d)
     rope = np.array(f32("rope_freqs.weight", cfg.head_dim // 2)) if cfg.rope_freq_factors else None
-    return FileBlocks(layers, np.array(f32("output_norm.weight", d)), head, rope)
+    return FileBlocks(layers, np.array(f32("output_norm.weight", d)), head, rope, requantized)
 
 
 def dequantize(blocks: QuantBlocks) -> np.ndarray:
-    d = np.repeat(blocks.d.astype(np.float32), GROUP, axis=1)
-    if blocks.kind == "Q8_0":
-        return d * blocks.q.astype(np.float32)
-    if blocks.kind == "Q4_0":
-        return d * (blocks.q.astype(np.float32) - 8)
-    return d * blocks.q.astype(np.float32) + np.repeat(blocks.m.astype(np.float32), GROUP, axis=1)
+    """The weights as float32, each the exact value of the header's formula rounded once (as
+    gguf-py's dequantization gives them)."""
+    kind, n_out = blocks.kind, blocks.q.shape[0]
+
+    def per(a: np.ndarray, width: int) -> np.ndarray:
+        return np.repeat(a.astype(np.float64), width, axis=1)
+
+    u = blocks.q.astype(np.float64)
+    if kind == "Q8_0":
+        w = per(blocks.d, GROUP) * u
+    elif kind in ("Q4_0", "Q5_0"):
+        w = per(blocks.d, GROUP) * (u - (1 << (BITS[kind] - 1)))
+    elif kind in ("Q4_1", "Q5_1"):
+        w = per(blocks.d, GROUP) * u + per(blocks.m, GROUP)
+    elif kind == "Q6_K":
+        scale = per(blocks.d, SUPER) * per(blocks.sc, 16)
+        w = scale * (u - 32)
+    else:  # Q4_K, Q5_K
+        a = per(blocks.d, SUPER) * per(blocks.sc, GROUP)
+        w = a * u - per(blocks.m, SUPER) * per(blocks.mn, GROUP)
+    return w.astype(np.float32).reshape(n_out, -1)
