@@ -27,7 +27,7 @@ import trio
 from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model.default import default_model_path
-from pipeline.model.store import load_prepared
+from pipeline.model.store import load_front
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.observability.prometheus import CONTENT_TYPE, PrometheusExposition
 from pipeline.orchestration.effects import Send
@@ -239,7 +239,7 @@ async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
     # then names the file it was served from, which `audit verify` re-runs.
     path = str(lane.config.model.path or default_model_path())
     config = msgspec.structs.replace(lane.config, model=msgspec.structs.replace(lane.config.model, path=path))
-    cfg, _, tokenizer = load_prepared(config.model.path)  # weights stay unmapped
+    cfg, _, tokenizer = load_front(config.model.path)  # the embedding stays unmapped
     warm_up(tokenizer)  # admission compiles every response_format once (a bad schema is a 400)
     names = (*LANES, "gateway") if "gateway" in config.processes() else LANES  # readiness waits for it too
     metrics = PipelineMetrics(lane.telemetry.meter, config.model_id())

@@ -162,14 +162,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     if not args.no_llama_cpp:
         result["llama_cpp"] = llama_cpp_steps(path, args.context, args.repeats)
-    reference = models.get("numpy") or load_model(path, "numpy")
-    result["model"] = reference.cfg.name
-    text_tokens = reference.tokenizer.encode(QUALITY_TEXT.read_text())
-    result["quality_text_tokens"] = len(text_tokens)
-    reference_logits = teacher_forced(reference, text_tokens)
-    for name, model in models.items():
-        logits = reference_logits if model is reference else teacher_forced(model, text_tokens)
-        result["backends"][name]["quality"] = quality(logits, reference_logits, text_tokens)
+    result["model"] = subject_model.cfg.name
+    result["file_bytes"] = path.stat().st_size
+    if not args.no_quality:
+        reference = models.get("numpy") or load_model(path, "numpy")
+        text_tokens = reference.tokenizer.encode(QUALITY_TEXT.read_text())
+        result["quality_text_tokens"] = len(text_tokens)
+        reference_logits = teacher_forced(reference, text_tokens)
+        for name, model in models.items():
+            logits = reference_logits if model is reference else teacher_forced(model, text_tokens)
+            result["backends"][name]["quality"] = quality(logits, reference_logits, text_tokens)
     result["bandwidth_gb_s"] = result.pop("bandwidth") / 1e9
     result["backends"] = {name: result["backends"][name] for name in backends}
     subject = result["backends"].get(backends[0], {})
@@ -187,7 +189,9 @@ def render(result: dict[str, Any]) -> str:
         f"model {result['model']}, {result['context']}-token cache; CPU {result['cpu']}",
         f"CPU flags: {' '.join(result['cpu_flags'])}; "
         f"streaming read {result['bandwidth_gb_s']:.1f} GB/s (2 threads)",
-        f"quality: teacher-forced over {result['quality_text_tokens']} tokens against numpy:f32",
+        f"quality: teacher-forced over {result['quality_text_tokens']} tokens against numpy:f32"
+        if "quality_text_tokens" in result
+        else "quality: not measured (--no-quality)",
         "",
     ]
     header = f"{'backend':<12}" + "".join(f"{'T=' + str(t):>8}" for t in BLOCK_SIZES)
@@ -196,12 +200,13 @@ def render(result: dict[str, Any]) -> str:
     )
     lines.append(header + "   (ms; prefill tok/s)")
     for e in result["backends"].values():
-        q = e["quality"]
         row = f"{e['key']:<12}" + "".join(f"{e['forward_ms'][str(t)]:>8.2f}" for t in BLOCK_SIZES)
         row += f"{e['ratio_to_t1']['8']:>7.2f}{e['ratio_to_t1']['16']:>7.2f}{e['memory_floor_ms']:>7.2f}"
-        row += f"{e['prefill_tokens_per_second']:>9.0f}{q['perplexity']:>8.3f}"
-        row += f"{q['perplexity_vs_reference']:>+7.2%}"
-        row += f"{q['top1_agreement']:>7.1%}{q['max_abs_dlogit']:>8.3f}"
+        row += f"{e['prefill_tokens_per_second']:>9.0f}"
+        if "quality" in e:
+            q = e["quality"]
+            row += f"{q['perplexity']:>8.3f}{q['perplexity_vs_reference']:>+7.2%}"
+            row += f"{q['top1_agreement']:>7.1%}{q['max_abs_dlogit']:>8.3f}"
         lines.append(row)
     lc = result.get("llama_cpp")
     if lc and "forward_ms" in lc:
@@ -212,6 +217,11 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"llama.cpp: {lc['error']}")
     lines.append("")
     lines.extend(f"{e['key']}: {e['kernel_path']}" for e in result["backends"].values())
+    lines.extend(
+        f"{e['key']}: weights read per step {e['step_bytes'] / 1e9:.3f} GB, "
+        f"{e['step_bytes'] / result['file_bytes']:.2f}x the file's {result['file_bytes'] / 1e9:.3f} GB"
+        for e in result["backends"].values()
+    )
     stall = result["prefill_stall"]
     whole, chunked = stall["whole_prompt"], stall["chunked_128"]
     lines.append(
@@ -235,6 +245,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's row")
+    parser.add_argument(
+        "--no-quality", action="store_true", help="skip the quality columns (no float32 reference is loaded)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

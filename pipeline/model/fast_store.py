@@ -1,12 +1,12 @@
 """Loads the fast backends, with their prepared weights cached per (model content, backend, format).
 
-Re-laying a GGUF's blocks takes seconds; the result is saved once beside the reference cache
-(`store.cache_directory`: keyed by the file's content hash) and memory-mapped back, so a warm
-start costs milliseconds and processes serving the same file share its pages.
+Re-laying a GGUF's blocks takes seconds; the result is saved once in the cache (`store.form_directory`:
+keyed by the file's content hash) and memory-mapped back, so a warm start costs milliseconds and
+processes serving the same file share its pages. Neither backend needs the float32 reference:
+config, tokenizer and embedding rows come from the front form (`store.load_front`).
 - native: one .npy per array, loaded with `np.load(mmap_mode="r")`; torch is never imported.
 - torch: one `torch.save` file, loaded with `torch.load(mmap=True)`; its key holds the torch
   version, because torch's int4 packing is a torch-internal layout.
-Tokenizer, config and embedding rows come from the reference cache, which every backend shares.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pipeline.model.fast_llama import FastModel
 from pipeline.model.fast_products import NativeProducts
 from pipeline.model.native import row_kernels
 from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, Parts, pack, read_file_blocks
-from pipeline.model.store import cache_directory, load_prepared
+from pipeline.model.store import form_directory, load_front
 
 FORMAT_VERSION = 4  # 3: Q8_0 values stored as q + 128; 4: K-quant and Q5 blocks, products in parts
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
@@ -67,10 +67,11 @@ def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str,
 
 
 def load_native(path: Path) -> FastModel:
-    cfg, reference, tokenizer = load_prepared(path)
-    directory = cache_directory(path) / f"native-v{FORMAT_VERSION}"
+    cfg, embed, tokenizer = load_front(path)
+    directory = form_directory(path, f"native-v{FORMAT_VERSION}")
     if not (directory / "manifest.json").is_file():
         arrays, meta = _native_arrays(read_file_blocks(path, cfg))
+        directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".native-", dir=directory.parent))
         for key, array in arrays.items():
             np.save(staging / f"{key}.npy", np.ascontiguousarray(array))
@@ -101,7 +102,7 @@ def load_native(path: Path) -> FastModel:
     return FastModel(
         cfg, layers, np.asarray(arrays["out_norm"]), head,
         np.asarray(arrays["rope_freqs"]) if "rope_freqs" in arrays else None,
-        reference["embed"], tokenizer, NativeProducts(row_kernels()), "q8", description, step_bytes,
+        embed, tokenizer, NativeProducts(row_kernels()), "q8", description, step_bytes,
     )  # fmt: skip
 
 
@@ -126,10 +127,11 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
 
     if weight_format == "int4" and not can_pack_int4():
         raise BackendUnavailable(f"torch {torch.__version__} has no CPU int4 kernels (use torch:bf16)")
-    cfg, reference, tokenizer = load_prepared(path)
+    cfg, embed, tokenizer = load_front(path)
     version = torch.__version__.split("+")[0]
-    target = cache_directory(path) / f"torch-{weight_format}-v{FORMAT_VERSION}-torch{version}.pt"
+    target = form_directory(path, f"torch-{weight_format}-v{FORMAT_VERSION}-torch{version}.pt")
     if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
         blocks = read_file_blocks(path, cfg)
         flat: dict[str, Any] = {
             "out_norm": blocks.out_norm,
@@ -157,7 +159,7 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
         f"the layer products, native Q8_0 head on int8 activations, f32 residual/norm/RoPE/attention/KV"
     )
     return FastModel(
-        cfg, layers, flat["out_norm"], flat["head"], flat["rope"], reference["embed"], tokenizer,
+        cfg, layers, flat["out_norm"], flat["head"], flat["rope"], embed, tokenizer,
         TorchProducts(), weight_format, description, step_bytes,
     )  # fmt: skip
 

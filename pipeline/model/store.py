@@ -3,6 +3,13 @@
 Preparing a GGUF (parse, dequantize, fuse) takes seconds and ~1.6 GB of RAM; loading
 the prepared arrays back with `np.load(mmap_mode="r")` takes milliseconds and lets
 every process that serves the same file share the same page-cache pages.
+
+Two forms live here, each in its own directory:
+- the reference (`load_prepared`): every weight as float32, what the numpy runtime computes
+  with: four times a 4-bit file's size, so only the numpy backend and the tests ask for it;
+- the front (`load_front`): config, tokenizer and the embedding rows, what the orchestrator and
+  the fast backends need beside their own weight forms (`fast_store`), made without
+  dequantizing any other tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +26,14 @@ import msgspec
 import numpy as np
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.gguf_file import PreparedWeights, read_gguf
+from pipeline.model.gguf_file import (
+    PreparedWeights,
+    _open,
+    _tensor,
+    read_config,
+    read_gguf,
+    read_tokenizer_metadata,
+)
 from pipeline.model.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -72,9 +86,46 @@ def _read(directory: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
 
 
 def cache_directory(path: Path) -> Path:
-    """Where every prepared form of the model file at `path` lives, keyed by its content."""
+    """Where the reference form of the model file at `path` lives, keyed by its content."""
+    return form_directory(path, f"v{FORMAT_VERSION}")
+
+
+def form_directory(path: Path, form: str) -> Path:
+    """Where one prepared form (the reference, the front, a backend's) of the file at `path` lives."""
     path = Path(path)
-    return cache_root() / f"{_hash_memo(path) if path.is_file() else 'missing'}-v{FORMAT_VERSION}"
+    return cache_root() / f"{_hash_memo(path) if path.is_file() else 'missing'}-{form}"
+
+
+def _publish_directory(staging: Path, directory: Path) -> None:
+    with contextlib.suppress(OSError):  # another process got there first: its copy is as good
+        staging.rename(directory)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_front(path: Path) -> tuple[ModelConfig, np.ndarray, Tokenizer]:
+    """Config, float32 embedding rows (memory-mapped) and tokenizer of the file at `path`: from the
+    reference when it is prepared already, else from the front form, prepared now if need be."""
+    path = Path(path)
+    reference = cache_directory(path)
+    if (reference / "manifest.json").is_file():
+        cfg, weights, tokenizer = _read(reference)
+        return cfg, weights["embed"], tokenizer
+    directory = form_directory(path, f"front-v{FORMAT_VERSION}")
+    if not (directory / "manifest.json").is_file():
+        reader = _open(path)
+        cfg = read_config(reader)
+        tensors = {t.name: t for t in reader.tensors}
+        embed = _tensor(reader, tensors, "token_embd.weight", (cfg.vocab_size, cfg.d_model))
+        tokenizer = Tokenizer.from_metadata(read_tokenizer_metadata(reader))
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".front-", dir=directory.parent))
+        try:
+            _write(staging, cfg, {"embed": embed}, tokenizer)
+            _publish_directory(staging, directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    cfg, weights, tokenizer = _read(directory)
+    return cfg, weights["embed"], tokenizer
 
 
 def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
@@ -92,8 +143,7 @@ def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
     staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=directory.parent))
     try:
         _write(staging, cfg, weights, tokenizer)
-        with contextlib.suppress(OSError):  # another process got there first: its copy is as good
-            staging.rename(directory)
+        _publish_directory(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return _read(directory)

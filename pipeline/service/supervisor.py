@@ -31,7 +31,7 @@ import trio
 from opentelemetry.trace import Span
 
 from pipeline.model.default import default_model_path
-from pipeline.model.store import load_prepared
+from pipeline.model.store import load_front
 from pipeline.observability.telemetry import Telemetry
 from pipeline.protocol.config import ESSENTIAL, PREDECESSOR, Config
 from pipeline.protocol.messages import Fault, LaneDown, LaneFailed, LaneUp, Shutdown
@@ -226,12 +226,13 @@ class Supervisor:
         """Until SIGINT/SIGTERM (None) or an essential lane's failure (why)."""
         config_path = self.run_dir / "config.json"
         config_path.write_bytes(msgspec.json.encode(self.config))
-        # Prepare the weights once here, not three times at once in the lanes.
+        # Prepare the config, tokenizer and embedding once here, not three times at once in the lanes
+        # (each model lane then prepares or maps its backend's own weight form).
         models = [self.config.model.path or str(default_model_path())]
         if self.config.model.draft_path:
             models.append(self.config.model.draft_path)
         for model in models:
-            await trio.to_thread.run_sync(load_prepared, Path(model))
+            await trio.to_thread.run_sync(load_front, Path(model))
         try:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals, self.lanes:
                 async with trio.open_nursery() as nursery:
