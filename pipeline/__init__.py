@@ -23,9 +23,12 @@ The native kernels' OpenMP threads (libgomp) read theirs when libgomp loads. By 
 that reaches a barrier first spins up to 300,000 pauses (about 9 ms here) before it sleeps. A
 forward has about 150 barriers, and on cores shared with other processes the thread it waits
 for is often descheduled: at load 6-8 on the 2-core VM a one-row forward took 109 ms (median)
-that way against 41 ms with the spin cut to 1,000 pauses (about 30 microseconds: longer than the
-gaps inside a forward of up to about 16 rows, so free cores still never sleep mid-forward), and
-a process whose forward is done gives its second core back to the other lanes at once.
+that way against 41 ms with the spin cut to 1,000 pauses. 1,000 was too short for a quiet
+machine's verify blocks, whose gaps between regions let the second thread fall asleep and pay a
+wake-up: on the 2-core Xeon VM, default model, 512-token cache, 5,000 pauses (about 0.15 ms) took
+T=8 from 13.9 to 10.9 ms and T=16 from 20.5 to 17.1 ms, quiet; beside 6 busy processes T=1 was
+unchanged (43.7 -> 44.0 ms) and T=8 82.6 -> 61.6 ms. A process whose forward is done still gives
+its second core back to the other lanes within a fraction of a millisecond.
 """
 
 import os
@@ -33,6 +36,6 @@ import os
 os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
 if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 __version__ = "0.1.0"

@@ -6,7 +6,9 @@ last digits and a greedy answer may part where two tokens nearly tie. For each p
 default model's chat template, the same token ids fed to both) this decodes 64 greedy tokens with
 each and reports the first position where they differ, with the top-2 margin of both runtimes'
 logits there: a parting at a margin under 0.1 is a near-tie, not a kernel error. It also gives
-the largest difference of the two runtimes' logits at the first generated position.
+the largest difference of each runtime's logits at the first generated position from the float32
+reference's on the same file (the numpy runtime on its dequantized weights): which of the two
+strays further from the weights both read.
 
 Without --model it first writes the default model requantized to Q4_K_M with llama.cpp's own
 `llama-quantize --allow-requantize` (built by `ops/bench/install_peers.sh`), the mixed file a
@@ -100,7 +102,7 @@ def llama_cpp_greedy(path: Path, prompts: list[list[int]], n: int) -> list[dict[
 
 
 def compare(path: Path, n: int) -> dict[str, Any]:
-    model = load_model(path, "native")
+    model, reference = load_model(path, "native"), load_model(path, "numpy")
     prompts = [
         model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": p}])) for p in PROMPTS
     ]
@@ -108,6 +110,7 @@ def compare(path: Path, n: int) -> dict[str, Any]:
     rows = []
     for text, prompt, peer in zip(PROMPTS, prompts, peers, strict=True):
         tokens, margins, first = speclanes_greedy(model, prompt, n)
+        exact = reference.forward(reference.new_cache(len(prompt)), prompt, all_logits=False)[-1]
         parted = next(
             (i for i, (a, b) in enumerate(zip(tokens, peer["tokens"], strict=True)) if a != b), None
         )
@@ -115,14 +118,16 @@ def compare(path: Path, n: int) -> dict[str, Any]:
             "prompt": text[:48], "identical": parted is None, "first_difference": parted,
             "speclanes_margin": None if parted is None else margins[parted],
             "llama_cpp_margin": None if parted is None else peer["margins"][parted],
-            "first_logits_max_abs_diff": float(np.abs(first - np.array(peer["first"], np.float32)).max()),
-            "first_logits_scale": float(np.abs(first).max()),
+            "speclanes_vs_f32": float(np.abs(first - exact).max()),
+            "llama_cpp_vs_f32": float(np.abs(np.array(peer["first"], np.float32) - exact).max()),
+            "first_logits_scale": float(np.abs(exact).max()),
         })  # fmt: skip
     return {"model": str(path), "kernel_path": model.describe(), "tokens": n, "rows": rows}
 
 
 def render(result: dict[str, Any]) -> str:
-    header = f"{'prompt':<50}{'same':>6}{'parts at':>10}{'margin (ours/theirs)':>24}{'first-logit |Δ|':>18}"
+    header = f"{'prompt':<50}{'same':>6}{'parts at':>10}{'margin: ours / theirs':>24}"
+    header += f"{'|Δ| to f32: ours / theirs':>28}"
     lines = [
         f"{result['model']}: {result['tokens']} greedy tokens, speclanes native against llama.cpp",
         f"speclanes: {result['kernel_path']}",
@@ -132,9 +137,9 @@ def render(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         where = "" if r["identical"] else str(r["first_difference"])
         margins = "" if r["identical"] else f"{r['speclanes_margin']:.3f} / {r['llama_cpp_margin']:.3f}"
-        delta = f"{r['first_logits_max_abs_diff']:.3f} of {r['first_logits_scale']:.1f}"
+        delta = f"{r['speclanes_vs_f32']:.3f} / {r['llama_cpp_vs_f32']:.3f} of {r['first_logits_scale']:.0f}"
         lines.append(
-            f"{r['prompt']:<50}{'yes' if r['identical'] else 'no':>6}{where:>10}{margins:>24}{delta:>18}"
+            f"{r['prompt']:<50}{'yes' if r['identical'] else 'no':>6}{where:>10}{margins:>24}{delta:>28}"
         )
     ties = [r for r in result["rows"] if not r["identical"]]
     ok = all(min(r["speclanes_margin"], r["llama_cpp_margin"]) < NEAR_TIE for r in ties)

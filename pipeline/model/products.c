@@ -180,8 +180,11 @@ INLINE void unpack_values(const uint8_t *v, int kind, __m512i *w) {
 }
 
 /* Rows r0 .. r0 + R - 1 through one block whose values and scales are at hand: 8 vpdpbusd per row
- * (two sums of 4 for Q6_K's halves), then the header's float sequence. R is a constant at every
- * call (tile_pass), so the row loops unroll and the accumulators live in registers. */
+ * into two sums of 4 groups (Q6_K's halves), then the header's float sequence. R is a constant at
+ * every call (tile_pass), so the row loops unroll and the accumulators live in registers. Two
+ * sums per row also halve the chain of dependent vpdpbusd that bounds a pass of few rows (one
+ * decoding token); the integer sum of the two is the same whatever the grouping. With more rows
+ * the chains of different rows overlap anyway, and the registers are needed elsewhere. */
 INLINE void block_rows(const uint8_t *values, int kind, Scale A, Scale B, const Activations *a, int r0,
                        const int R, int b, Acc *acc) {
     __m512i w[GROUPS];
@@ -195,7 +198,7 @@ INLINE void block_rows(const uint8_t *values, int kind, Scale A, Scale B, const 
         for (int i = 0; i < R; i++) {
             int32_t four;
             memcpy(&four, a->q + (size_t)(r0 + i) * a->k + 32 * b + 4 * g, 4);
-            if (kind == Q6K && g >= 4)
+            if ((kind == Q6K || R <= 4) && g >= 4)
                 s2[i] = _mm512_dpbusd_epi32(s2[i], w[g], _mm512_set1_epi32(four));
             else
                 s[i] = _mm512_dpbusd_epi32(s[i], w[g], _mm512_set1_epi32(four));
@@ -206,13 +209,15 @@ INLINE void block_rows(const uint8_t *values, int kind, Scale A, Scale B, const 
         size_t at = (size_t)(r0 + i) * a->blocks + b;
         __m512 term;
         if (kind == Q8) {
-            term = _mm512_mul_ps(A, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[i], _mm512_set1_epi32(128 * a->sx[at]))));
+            __m512i sum = R <= 4 ? _mm512_add_epi32(s[i], s2[i]) : s[i];
+            term = _mm512_mul_ps(A, _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a->sx[at]))));
         } else if (kind == Q6K) {
             __m512 t1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[i], _mm512_set1_epi32(32 * a->sh[at])));
             __m512 t2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(s2[i], _mm512_set1_epi32(32 * (a->sx[at] - a->sh[at]))));
             term = _mm512_fmadd_ps(B, t2, _mm512_mul_ps(A, t1));
         } else {
-            term = _mm512_fmadd_ps(A, _mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(B, _mm512_set1_ps((float)a->sx[at])));
+            __m512i sum = R <= 4 ? _mm512_add_epi32(s[i], s2[i]) : s[i];
+            term = _mm512_fmadd_ps(A, _mm512_cvtepi32_ps(sum), _mm512_mul_ps(B, _mm512_set1_ps((float)a->sx[at])));
         }
         acc[i] = _mm512_fmadd_ps(term, _mm512_set1_ps(a->dx[at]), acc[i]);
     }
