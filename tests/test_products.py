@@ -105,3 +105,29 @@ def test_a_product_in_parts_writes_each_part_s_columns(native_lib):
     got = product(native_lib, x, matrices)
     alone = np.concatenate([product(native_lib, x, m) for m in matrices], axis=1)
     assert got.shape == (3, 96) and np.array_equal(got, alone)
+
+
+@pytest.mark.parametrize(
+    ("quant", "kinds", "requantized"),
+    [
+        ("Q4_K_M", "Q5_0/Q6_K/Q8_0", None),  # d 320: Q5_0 and Q8_0 where rows are not whole super-blocks
+        ("F32", "Q8_0", "F32 x15"),  # 2 layers x 7 tensors and the tied head: all requantized
+    ],
+)
+def test_describe_names_the_kinds_held_and_every_type_requantized(
+    native_lib, tmp_path, quant, kinds, requantized
+):
+    """The kernel path printed by every benchmark and `status` says which numbers are computed:
+    the block types held as the file has them, and each file type that was not, with its count."""
+    from pipeline.model import load_model
+
+    from .tinymodel import TinySpec, write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(quant=quant, d_model=320, d_ff=512, n_heads=5, n_kv_heads=1, seed=5))
+    text = load_model(path, "native").describe()
+    assert f"layer weights {kinds} (" in text
+    if requantized is None:
+        assert "(the file's own blocks)" in text
+    else:
+        assert f"requantized to Q8_0 here: {requantized}" in text
