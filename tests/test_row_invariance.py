@@ -162,15 +162,22 @@ def near_tie_weights(spec: TinySpec) -> dict[str, np.ndarray]:
 
 FLAT = {
     "Q4_1": TinySpec(seed=31, quant="Q4_1"),
-    "Q4_K_M": TinySpec(seed=31, quant="Q4_K_M", d_model=256, d_ff=512),
+    "Q5_1": TinySpec(seed=31, quant="Q5_1"),
+    "Q5_K": TinySpec(seed=31, quant="Q5_K", d_model=256, d_ff=256),
+    "Q4_K_M": TinySpec(seed=31, quant="Q4_K_M", d_model=256, d_ff=512),  # Q4_K, Q6_K
+    "Q4_K_M_320": TinySpec(
+        seed=31, quant="Q4_K_M", d_model=320, d_ff=512, n_heads=5, n_kv_heads=1
+    ),  # Q5_0 too
 }
 
 
-@pytest.fixture(scope="module", params=[*FAST_BACKENDS, "native-Q4_K_M"])
+@pytest.fixture(
+    scope="module", params=[*FAST_BACKENDS, *(f"native-{quant}" for quant in FLAT if quant != "Q4_1")]
+)
 def flat_models(request, tmp_path_factory):
     """Target and draft with near-tied logits: where a runtime that is not row-invariant would
     pick different argmaxes in a block and alone. On each fast backend with Q4_1 blocks, and on
-    the native one with Q4_K, Q6_K and Q8_0 blocks side by side."""
+    the native one with every other block type it holds (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0)."""
     backend, _, quant = request.param.partition("-")
     root = tmp_path_factory.mktemp("flat")
     for name, scale in (("target", 1.0), ("draft", 0.8)):
