@@ -11,7 +11,8 @@ import logging
 from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.drafters.registry import make_draft_sources
 from pipeline.decoding.grammar.compiler import warm_up
-from pipeline.model import Model, default_model_path, load_model
+from pipeline.model import default_model_path, load_model
+from pipeline.model.store import load_front
 from pipeline.protocol.messages import BadMessage, Close, DraftInbox
 from pipeline.protocol.transport import Inbox
 from pipeline.workers.draft_server import DraftServer
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 async def serve(lane: LaneContext) -> None:
     config = lane.config
-    target = Model.load(config.model.path or default_model_path())  # memory-mapped: vocabulary checks only
+    target = load_front(config.model.path or default_model_path())  # vocabulary checks only: no weights
     draft_path, backend = config.model.draft_path, config.model.backend
     draft_model = load_model(draft_path, backend) if draft_path else None
     sources = make_draft_sources(target, draft_model)

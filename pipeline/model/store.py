@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -102,14 +103,22 @@ def _publish_directory(staging: Path, directory: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_front(path: Path) -> tuple[ModelConfig, np.ndarray, Tokenizer]:
+class Front(NamedTuple):
+    """A model file's front: what every process but a model lane needs of it."""
+
+    cfg: ModelConfig
+    embed: np.ndarray  # (vocab, d) float32, memory-mapped
+    tokenizer: Tokenizer
+
+
+def load_front(path: Path) -> Front:
     """Config, float32 embedding rows (memory-mapped) and tokenizer of the file at `path`: from the
     reference when it is prepared already, else from the front form, prepared now if need be."""
     path = Path(path)
     reference = cache_directory(path)
     if (reference / "manifest.json").is_file():
         cfg, weights, tokenizer = _read(reference)
-        return cfg, weights["embed"], tokenizer
+        return Front(cfg, weights["embed"], tokenizer)
     directory = form_directory(path, f"front-v{FORMAT_VERSION}")
     if not (directory / "manifest.json").is_file():
         reader = _open(path)
@@ -125,7 +134,7 @@ def load_front(path: Path) -> tuple[ModelConfig, np.ndarray, Tokenizer]:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     cfg, weights, tokenizer = _read(directory)
-    return cfg, weights["embed"], tokenizer
+    return Front(cfg, weights["embed"], tokenizer)
 
 
 def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:

@@ -20,9 +20,10 @@ from pipeline.decoding.noise import DRAFT
 from pipeline.decoding.sampling import SamplingParams, sample_at
 from pipeline.model import Runtime
 from pipeline.model.errors import ModelFileError
+from pipeline.model.store import Front
 
 
-def check_same_vocabulary(target: Runtime, draft: Runtime) -> None:
+def check_same_vocabulary(target: Runtime | Front, draft: Runtime) -> None:
     assert target.tokenizer is not None and draft.tokenizer is not None
     if target.cfg.vocab_size != draft.cfg.vocab_size or (
         target.tokenizer.hf.get_vocab() != draft.tokenizer.hf.get_vocab()
@@ -82,7 +83,7 @@ class ModelDrafter:
 class ModelSource:
     name = "model"
 
-    def __init__(self, draft: Runtime, target: Runtime) -> None:
+    def __init__(self, draft: Runtime, target: Runtime | Front) -> None:
         check_same_vocabulary(target, draft)
         self.draft = draft
 

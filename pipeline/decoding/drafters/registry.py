@@ -8,6 +8,7 @@ from pipeline.decoding.drafters.model import ModelSource
 from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.model import Runtime
+from pipeline.model.store import Front
 
 DRAFTERS = ("none", "ngram", "suffix", "model", "auto")
 
@@ -32,8 +33,9 @@ def make_draft_source(name: str, target: Runtime, draft_model: Runtime | None = 
     raise ValueError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
 
 
-def make_draft_sources(target: Runtime, draft_model: Runtime | None = None) -> dict[str, DraftSource]:
-    """Every drafter a long-lived draft lane serves, sharing one cross-request suffix table."""
+def make_draft_sources(target: Runtime | Front, draft_model: Runtime | None = None) -> dict[str, DraftSource]:
+    """Every drafter a long-lived draft lane serves, sharing one cross-request suffix table. Of the
+    target only its vocabulary is read (a draft model must share it): its front will do."""
     suffix = SuffixSource()
     free: list[DraftSource] = [NgramSource(), suffix]
     model = [ModelSource(draft_model, target)] if draft_model is not None else []
