@@ -179,6 +179,13 @@ def _add_certs_command(sub: argparse._SubParsersAction) -> None:
     make.add_argument("--days", type=int, default=DEFAULT_DAYS, help="how long the certificates are valid")
 
 
+def _add_cache_command(sub: argparse._SubParsersAction) -> None:
+    cache = sub.add_parser("cache", help="the prepared-weight and kernel cache ($SPECLANES_CACHE)")
+    cache_sub = cache.add_subparsers(dest="cache", required=True)
+    cache_sub.add_parser("verify", help="hash every entry against its seal; exit 1 if any is damaged")
+    cache_sub.add_parser("clear", help="remove every entry (each is rebuilt when next needed)")
+
+
 def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     """`with_benches=False` leaves the benchmarks' own flags out: importing them costs ~0.1 s."""
     parser = argparse.ArgumentParser(prog="speclanes", description=__doc__)
@@ -211,6 +218,7 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
 
     add_audit_parser(sub, _add_config_flags)
     _add_certs_command(sub)
+    _add_cache_command(sub)
     trace = sub.add_parser("trace", help="read the telemetry file export: list traces, or show one as a tree")
     _add_config_flags(trace)
     trace.add_argument(
@@ -568,6 +576,22 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from pipeline.model import cache_admin
+    from pipeline.model.store import cache_root
+
+    root = cache_root()
+    if args.cache == "clear":
+        print(f"speclanes: cleared {root} ({cache_admin.clear(root) / 1e6:.1f} MB)")
+        return 0
+    damaged = 0
+    for path, problem in cache_admin.entries(root):
+        print(f"{'ok' if problem is None else 'DAMAGED'}  {path}{'' if problem is None else f': {problem}'}")
+        damaged += problem is not None
+    print(f"speclanes: {damaged} damaged entr{'y' if damaged == 1 else 'ies'} in {root}")
+    return 1 if damaged else 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from pipeline.audit import cli as audit_cli
 
@@ -591,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "audit": cmd_audit,
         "certs": cmd_certs,
         "trace": cmd_trace,
+        "cache": cmd_cache,
     }
     try:
         return handlers[args.command](args)

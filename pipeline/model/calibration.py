@@ -27,7 +27,8 @@ from typing import Any
 from pipeline.model.backends import Runtime, backend_key
 from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.model.native import library_key
-from pipeline.model.store import form_directory
+from pipeline.model.sealed import seal_file
+from pipeline.model.store import form_directory, intact_file
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)
 CONTEXT = 256
@@ -76,11 +77,14 @@ def row_seconds(model: Runtime) -> list[float]:
 def stored_row_seconds(model: Runtime, path: Path) -> list[float]:
     """`measure(model)` for the model file at `path`, kept beside its prepared weights
     (`store.form_directory`) per runtime, kernel build (`native.library_key`: the C sources, flags
-    and CPU flags) and CPU; written atomically, an unreadable entry is measured again."""
+    and CPU flags) and CPU; written atomically and sealed, an unreadable or damaged entry is
+    measured again."""
     how = [ROWS, CONTEXT, ROUNDS, "median"]  # a new way of measuring: a new curve
     key = json.dumps([backend_key(model), library_key(), cpu_name(), kernel_flags(), *how])
     entry = form_directory(path, "calibration") / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     try:
+        if not intact_file(entry):
+            raise ValueError("no intact entry")
         seconds = json.loads(entry.read_text())
         if isinstance(seconds, list) and len(seconds) == max(ROWS) and all(type(x) is float for x in seconds):
             return seconds
@@ -91,4 +95,5 @@ def stored_row_seconds(model: Runtime, path: Path) -> list[float]:
     with tempfile.NamedTemporaryFile("w", dir=entry.parent, delete=False, suffix=".tmp") as f:
         json.dump(seconds, f)
     os.replace(f.name, entry)
+    seal_file(entry)
     return seconds

@@ -27,9 +27,10 @@ from pipeline.model.fast_llama import FastModel
 from pipeline.model.fast_products import NativeProducts
 from pipeline.model.native import row_kernels
 from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, Parts, pack, read_file_blocks
-from pipeline.model.store import form_directory, load_front
+from pipeline.model.sealed import seal_directory, seal_file
+from pipeline.model.store import form_directory, intact, intact_file, load_front
 
-FORMAT_VERSION = 4  # 3: Q8_0 values stored as q + 128; 4: K-quant and Q5 blocks, products in parts
+FORMAT_VERSION = 5  # 3: Q8_0 values stored as q + 128; 4: K-quant and Q5 blocks, products in parts; 5: sealed
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
 
 
@@ -69,13 +70,14 @@ def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str,
 def load_native(path: Path) -> FastModel:
     cfg, embed, tokenizer = load_front(path)
     directory = form_directory(path, f"native-v{FORMAT_VERSION}")
-    if not (directory / "manifest.json").is_file():
+    if not intact(directory):
         arrays, meta = _native_arrays(read_file_blocks(path, cfg))
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".native-", dir=directory.parent))
         for key, array in arrays.items():
             np.save(staging / f"{key}.npy", np.ascontiguousarray(array))
         (staging / "manifest.json").write_text(json.dumps({**meta, "arrays": sorted(arrays)}))
+        seal_directory(staging)
         _publish(staging, directory)
     manifest = json.loads((directory / "manifest.json").read_text())
     arrays = {key: np.load(directory / f"{key}.npy", mmap_mode="r") for key in manifest["arrays"]}
@@ -130,7 +132,7 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
     cfg, embed, tokenizer = load_front(path)
     version = torch.__version__.split("+")[0]
     target = form_directory(path, f"torch-{weight_format}-v{FORMAT_VERSION}-torch{version}.pt")
-    if not target.is_file():
+    if not intact_file(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         blocks = read_file_blocks(path, cfg)
         flat: dict[str, Any] = {
@@ -147,6 +149,7 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
         os.close(fd)
         torch.save(flat, staging)
         _publish(Path(staging), target)
+        seal_file(target)
     flat = torch.load(target, mmap=True, weights_only=False)
     layers = flat["layers"]
     step_bytes = int(flat["head"].data.nbytes) + sum(

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from pipeline.model.cpu import cpu_flags
 from pipeline.model.errors import BackendUnavailable
-from pipeline.model.store import cache_root
+from pipeline.model.sealed import seal_file
+from pipeline.model.store import cache_root, intact_file
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernels.c", "products.c", "layers.c"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
@@ -92,9 +93,13 @@ def compiler() -> str:
     return os.environ.get("CC") or "cc"
 
 
+LAYOUT = b"sealed-1"  # how a build is kept (sealed.py): a new layout builds afresh, unwarned
+
+
 def library_key() -> str:
     text = (
-        b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+        LAYOUT
+        + b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
         + " ".join((compiler(), *FLAGS, *sorted(cpu_flags()))).encode()
     )
     return hashlib.sha256(text).hexdigest()[:16]
@@ -115,6 +120,7 @@ def _build(target: Path, flags: tuple[str, ...] = FLAGS) -> None:
             last = next((line for line in lines if "error" in line), lines[-1])
             raise BackendUnavailable(f"compiling the fast backends' kernels failed: {last}")
         os.replace(staging, target)  # atomic: a concurrent loader sees the whole file or none
+        seal_file(target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(staging)
@@ -124,7 +130,7 @@ def _build(target: Path, flags: tuple[str, ...] = FLAGS) -> None:
 def row_kernels() -> ctypes.CDLL:
     """The loaded library, built first if this machine has none yet."""
     target = cache_root() / "native" / library_key() / "rowkernels.so"
-    if not target.is_file():
+    if not intact_file(target):  # a damaged library would die of SIGILL or load wrong code
         _build(target)
     return load_library(target)
 

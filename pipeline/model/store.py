@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,9 +37,11 @@ from pipeline.model.gguf_file import (
     read_gguf,
     read_tokenizer_metadata,
 )
+from pipeline.model.sealed import SUFFIX, directory_problem, file_problem, seal_directory
 from pipeline.model.tokenizer import Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sealed (pipeline/model/sealed.py)
+log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -55,13 +59,16 @@ def _hash_memo(path: Path) -> str:
     memo_dir = cache_root() / "hashes"
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
     memo = memo_dir / key
-    try:
-        return memo.read_text().strip()
-    except OSError:
-        digest = content_hash(path)
-        memo_dir.mkdir(parents=True, exist_ok=True)
-        memo.write_text(digest)
-        return digest
+    with contextlib.suppress(OSError):
+        digest = memo.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", digest):  # a damaged memo is hashed again, never trusted
+            return digest
+    digest = content_hash(path)
+    memo_dir.mkdir(parents=True, exist_ok=True)
+    staging = memo.with_name(memo.name + ".tmp")
+    staging.write_text(digest)
+    os.replace(staging, memo)
+    return digest
 
 
 def _write(directory: Path, cfg: ModelConfig, weights: PreparedWeights, tokenizer: Tokenizer) -> None:
@@ -74,6 +81,7 @@ def _write(directory: Path, cfg: ModelConfig, weights: PreparedWeights, tokenize
     (directory / "manifest.json").write_text(
         json.dumps({"format": FORMAT_VERSION, "arrays": sorted(weights)})
     )
+    seal_directory(directory)
 
 
 def _read(directory: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
@@ -97,6 +105,35 @@ def form_directory(path: Path, form: str) -> Path:
     return cache_root() / f"{_hash_memo(path) if path.is_file() else 'missing'}-{form}"
 
 
+def intact(directory: Path) -> bool:
+    """Whether a cached form is there and matches its seal. A damaged one is removed, with one
+    warning, so that the caller rebuilds it from the model file."""
+    if not directory.exists():
+        return False
+    problem = directory_problem(directory)
+    if problem is None:
+        return True
+    log.warning(
+        "speclanes: cache entry %s is damaged (%s): rebuilding it from the model file", directory, problem
+    )
+    shutil.rmtree(directory, ignore_errors=True)
+    return False
+
+
+def intact_file(path: Path) -> bool:
+    """`intact` for a single cached file (sealed beside it)."""
+    if not path.exists():
+        return False
+    problem = file_problem(path)
+    if problem is None:
+        return True
+    log.warning("speclanes: cache entry %s is damaged (%s): rebuilding it", path, problem)
+    for stale in (path, path.with_name(path.name + SUFFIX)):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    return False
+
+
 def _publish_directory(staging: Path, directory: Path) -> None:
     with contextlib.suppress(OSError):  # another process got there first: its copy is as good
         staging.rename(directory)
@@ -116,11 +153,11 @@ def load_front(path: Path) -> Front:
     reference when it is prepared already, else from the front form, prepared now if need be."""
     path = Path(path)
     reference = cache_directory(path)
-    if (reference / "manifest.json").is_file():
+    if reference.exists() and intact(reference):
         cfg, weights, tokenizer = _read(reference)
         return Front(cfg, weights["embed"], tokenizer)
     directory = form_directory(path, f"front-v{FORMAT_VERSION}")
-    if not (directory / "manifest.json").is_file():
+    if not intact(directory):
         reader = _open(path)
         cfg = read_config(reader)
         tensors = {t.name: t for t in reader.tensors}
@@ -144,7 +181,7 @@ def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
     reader never sees half a cache and two processes preparing at once both win.
     """
     directory = cache_directory(path)
-    if (directory / "manifest.json").is_file():
+    if intact(directory):
         return _read(directory)
     cfg, weights, meta = read_gguf(path)
     tokenizer = Tokenizer.from_metadata(meta)

@@ -1,0 +1,143 @@
+"""Damaged caches: a flipped or cut cache file is rebuilt from the model file, never served.
+
+Real `speclanes generate` processes on a tiny Q4_K_M model with a private cache: a clean run, then
+one run after each damage to each kind of cached file (the front's embedding rows, the native
+tiles, the native manifest, the compiled kernel library, the GGUF's hash memo). Each later run
+must print exactly the clean run's tokens and log-probabilities (which move with any weight) and
+say so in one warning line, and leave a cache that checks clean again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.model.sealed import directory_problem, file_problem, seal_directory, seal_file
+
+from .tinymodel import TinySpec, write_tiny_gguf
+
+
+def generate(model: Path, cache: Path) -> tuple[dict, list[str]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "generate", "-m", str(model), "--backend", "native",
+         "--max-tokens", "6", "--ignore-eos", "--json", "--logprobs", "3", "one two three"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "SPECLANES_CACHE": str(cache)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    return {"tokens": out["tokens"], "logprobs": out["logprobs"]}, done.stderr.strip().splitlines()
+
+
+def flip(path: Path) -> None:
+    """64 bytes inverted in the middle of the file, in place (as rot or a stray write would)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2
+    data[at : at + 64] = bytes(b ^ 0xFF for b in data[at : at + 64])
+    with path.open("r+b") as f:
+        f.write(data)
+
+
+def cut(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def one_of(cache: Path, pattern: str) -> Path:
+    found = sorted(cache.glob(pattern))
+    assert found, pattern
+    return found[0]
+
+
+TARGETS = {
+    "front embedding": "*-front-*/embed.npy",
+    "native weights": "*-native-*/0.wqkv.0.npy",
+    "native manifest": "*-native-*/manifest.json",
+    "kernel library": "native/*/rowkernels.so",
+}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache-integrity")
+    model = root / "tiny.gguf"
+    write_tiny_gguf(model, TinySpec(quant="Q4_K_M", d_model=256, d_ff=512, seed=7))
+    cache = root / "cache"
+    want, lines = generate(model, cache)
+    assert not [line for line in lines if "damaged" in line]
+    return model, cache, want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", [flip, cut], ids=["flipped", "cut"])
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_a_damaged_cache_file_is_rebuilt_and_the_answer_is_unchanged(clean, target, damage):
+    model, cache, want = clean
+    path = one_of(cache, TARGETS[target])
+    damage(path)
+    got, lines = generate(model, cache)
+    assert got == want
+    warnings = [line for line in lines if "is damaged" in line]
+    assert len(warnings) == 1, lines
+    assert "rebuilding" in warnings[0]
+    again, lines = generate(model, cache)  # rebuilt and sealed: clean from now on
+    assert again == want and not [line for line in lines if "damaged" in line]
+
+
+@pytest.mark.slow
+def test_a_damaged_hash_memo_is_hashed_again(clean):
+    model, cache, want = clean
+    (memo,) = (cache / "hashes").iterdir()
+    memo.write_text("not a digest")
+    got, _ = generate(model, cache)
+    assert got == want and memo.read_text() != "not a digest"
+
+
+def test_a_seal_trusts_an_unchanged_file_and_checks_a_rewritten_one(tmp_path):
+    """The warm path: a file whose inode, size and mtime are unchanged is not hashed again; the
+    same bytes rewritten (a copy, a restore) are hashed and trusted; other bytes are refused."""
+    (tmp_path / "a.bin").write_bytes(b"x" * 1000)
+    seal_directory(tmp_path)
+    assert directory_problem(tmp_path) is None
+    (tmp_path / "a.bin").write_bytes(b"x" * 1000)  # rewritten, same content
+    assert directory_problem(tmp_path) is None
+    (tmp_path / "a.bin").write_bytes(b"y" * 1000)
+    assert "checksum" in directory_problem(tmp_path)
+    single = tmp_path / "lib.so"
+    single.write_bytes(b"z" * 10)
+    assert "no readable seal" in file_problem(single)
+    seal_file(single)
+    assert file_problem(single) is None
+    single.write_bytes(b"z" * 9)
+    assert "bytes" in file_problem(single)
+
+
+def test_cache_verify_and_clear_for_operators(tmp_path, monkeypatch, capsys):
+    """`speclanes cache verify` hashes every sealed entry (exit 1 on damage, naming it) and
+    `speclanes cache clear` empties the cache."""
+    from pipeline.cli import main
+
+    monkeypatch.setenv("SPECLANES_CACHE", str(tmp_path))
+    form = tmp_path / "abc-native-v5"
+    form.mkdir()
+    (form / "w.npy").write_bytes(b"w" * 4096)
+    seal_directory(form)
+    library = tmp_path / "native" / "key" / "rowkernels.so"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"\x7fELF" + b"k" * 100)
+    seal_file(library)
+    assert main(["cache", "verify"]) == 0
+    assert "0 damaged entries" in capsys.readouterr().out
+    with library.open("r+b") as f:  # same size, same mtime resolution: only a full hash sees it
+        f.seek(10)
+        f.write(b"K")
+    assert main(["cache", "verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED  {library}: rowkernels.so does not match its checksum" in out
+    assert "1 damaged entry" in out
+    assert main(["cache", "clear"]) == 0
+    assert not list(tmp_path.iterdir())
