@@ -33,7 +33,7 @@ from pipeline.observability.prometheus import CONTENT_TYPE, PrometheusExposition
 from pipeline.orchestration.effects import Send
 from pipeline.orchestration.front import unknown
 from pipeline.orchestration.hub import Hub
-from pipeline.orchestration.journal import Journal
+from pipeline.orchestration.journal import open_journal
 from pipeline.orchestration.lane_table import LANES, LaneTable
 from pipeline.orchestration.tokenizing import detokenize, tokenize
 from pipeline.orchestration.tracing import RequestTracing, gauges_of
@@ -244,7 +244,7 @@ async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
     names = (*LANES, "gateway") if "gateway" in config.processes() else LANES  # readiness waits for it too
     metrics = PipelineMetrics(lane.telemetry.meter, config.model_id())
     tracing = RequestTracing(lane.telemetry, metrics, config.model_id())
-    journal = Journal(config.run.journal)
+    journal = open_journal(config.run.journal)  # a damaged one is set aside, with a warning
     hub = Hub(config, tokenizer, cfg.context_length, tracing, LaneTable(names), journal)
     orchestrator = OrchestratorLane(hub, lane, exposition)
     metrics.observe(lambda: orchestrator.gauges)

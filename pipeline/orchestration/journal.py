@@ -13,12 +13,21 @@ SQLite in WAL mode with synchronous=NORMAL: a commit is a write() into the WAL f
 survives the process being killed (what this is for) at a few microseconds a step; a power
 cut may lose the last commits but never corrupts the file. A request's rows go when its
 retention ends, so the file stays the size of what is in flight or retained.
+
+A file can still be damaged under it (a disk error, a stray write, a cut copy). `open_journal`
+checks it before the orchestrator uses it; one that SQLite cannot open, whose `quick_check`
+fails or that another format wrote is moved aside with a timestamp, and the orchestrator starts
+with an empty journal and one warning naming the moved file. What is lost is the previous run's
+in-flight requests, which cannot be resumed; the audit store still holds their records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sqlite3
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -31,6 +40,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
 
 KEPT_FAULTS = 200
+FORMAT = 1  # PRAGMA user_version; 0: a journal from before formats were recorded, read as 1
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -100,6 +110,7 @@ class Journal:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        self.db.execute(f"PRAGMA user_version = {FORMAT}")
         self.encoder = msgspec.msgpack.Encoder()
 
     def close(self) -> None:
@@ -181,6 +192,46 @@ class Journal:
             faults=[bytes(d) for (d,) in self.db.execute("SELECT data FROM faults ORDER BY seq")],
             state={k: bytes(v) for k, v in self.db.execute("SELECT key, value FROM state")},
         )
+
+
+def journal_problem(path: Path) -> str | None:
+    """What makes the journal at `path` unusable, or None (a missing file is fine: it is new)."""
+    if not path.exists():
+        return None
+    try:
+        db = sqlite3.connect(str(path))  # read-write: a WAL left by a killed orchestrator is read too
+        try:
+            checked = [row[0] for row in db.execute("PRAGMA quick_check")]
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as exc:
+        return str(exc)
+    if checked != ["ok"]:
+        return f"quick_check: {'; '.join(map(str, checked[:3]))}"
+    if version not in (0, FORMAT):
+        return f"written in journal format {version}, this version reads {FORMAT}"
+    return None
+
+
+def open_journal(path: str | Path) -> Journal:
+    """The journal at `path`, checked first; a damaged one is moved aside (see the module)."""
+    if str(path) == ":memory:":
+        return Journal(path)
+    path = Path(path)
+    problem = journal_problem(path)
+    if problem is not None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = path.with_name(f"{path.name}.damaged-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{path}{suffix}", f"{aside}{suffix}")
+        log.warning(
+            "journal %s is damaged (%s): moved to %s; starting with an empty journal. The previous "
+            "run's in-flight requests cannot be resumed (the audit store keeps their records).",
+            path, problem, aside,
+        )  # fmt: skip
+    return Journal(path)
 
 
 def readable(blob: bytes, kind: type[T]) -> T | None:
