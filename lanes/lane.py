@@ -117,7 +117,9 @@ def lane_main(
     )
     config = load_resolved(args.config)
 
-    telemetry = Telemetry.configure(name, config.telemetry.dir, config.run_id(), readers=readers)
+    telemetry = Telemetry.configure(
+        name, config.telemetry.dir, config.run_id(), readers=readers, rotation=config.telemetry.rotation()
+    )
 
     async def run() -> None:
         lane = LaneContext(name, config, telemetry)

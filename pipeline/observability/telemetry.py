@@ -4,9 +4,11 @@ resource attributes, and exporters chosen by the standard `OTEL_*` variables.
 
 Nothing is dropped silently: with no OTLP endpoint configured, spans and metrics go as
 OTLP/JSON lines to one file per process under the run directory (the contrib file
-exporter), which any OTLP tool can load. Spans are exported from the SDK's batch thread,
-never on a request's critical path, and every process flushes on its way out; only a
-process killed outright loses what it had not yet exported (at most one export interval).
+exporter), which any OTLP tool can load; those files rotate by size and are pruned when their
+process is gone (`export_files`), so the directory stays within a bound. Spans are exported
+from the SDK's batch thread, never on a request's critical path, and every process flushes on
+its way out; only a process killed outright loses what it had not yet exported (at most one
+export interval).
 
 The variables read here (the SDK and the OTLP exporter read the rest themselves:
 endpoint, headers, timeouts, batch sizes, `OTEL_SDK_DISABLED`, `OTEL_RESOURCE_ATTRIBUTES`):
@@ -41,6 +43,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pipeline import __version__
+from pipeline.observability.export_files import RotatingLines, Rotation, prune_departed
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ SCOPE = "speclanes"
 PROPAGATOR = TraceContextTextMapPropagator()
 DEFAULT_QUEUE = 65536  # spans held for the batch thread before it would drop one
 DEFAULT_METRIC_INTERVAL_MS = 10_000  # the SDK's default (60 s) outlives most runs
+DEFAULT_ROTATION = Rotation(max_bytes=32 * 2**20, backups=2)  # config.TelemetrySection has the same
 
 
 class TelemetryError(ValueError):
@@ -101,7 +105,7 @@ def _check_protocol(signal: str, environ: Mapping[str, str]) -> None:
         )
 
 
-def _exporter(signal: str, name: str, path: Path, environ: Mapping[str, str]) -> Any:
+def _exporter(signal: str, name: str, path: Path, environ: Mapping[str, str], rotation: Rotation) -> Any:
     """One exporter by its standard name; `signal` is "traces" or "metrics"."""
     if name == "otlp":
         _check_protocol(signal, environ)
@@ -114,13 +118,15 @@ def _exporter(signal: str, name: str, path: Path, environ: Mapping[str, str]) ->
         return OTLPMetricExporter()
     if name == "otlp_json_file":
         path.parent.mkdir(parents=True, exist_ok=True)
+        prune_departed(path.parent, rotation.share())
+        stream = RotatingLines(path, rotation)
         if signal == "traces":
             from opentelemetry.exporter.otlp.json.file.trace_exporter import FileSpanExporter
 
-            return FileSpanExporter(path)
+            return FileSpanExporter(stream=stream)
         from opentelemetry.exporter.otlp.json.file.metric_exporter import FileMetricExporter
 
-        return FileMetricExporter(path)
+        return FileMetricExporter(stream=stream)
     return _entry_point(signal, name).load()()
 
 
@@ -138,12 +144,18 @@ def _entry_point(signal: str, name: str) -> Any:
 
 
 def exporters(
-    signal: str, component: str, directory: Path, environ: Mapping[str, str]
+    signal: str,
+    component: str,
+    directory: Path,
+    environ: Mapping[str, str],
+    rotation: Rotation = DEFAULT_ROTATION,
 ) -> list[SpanExporter] | list[MetricExporter]:
     """The exporters the environment asks for. File exports are per process (pid in the
     name), so a restarted lane never appends to a line its killed predecessor cut short."""
     path = directory / f"{service_name(component, environ)}.{os.getpid()}.{signal}.jsonl"
-    return [_exporter(signal, name, path, environ) for name in _names(signal, environ) if name != "none"]
+    return [
+        _exporter(signal, name, path, environ, rotation) for name in _names(signal, environ) if name != "none"
+    ]
 
 
 def check(environ: Mapping[str, str] = os.environ) -> None:
@@ -172,19 +184,20 @@ class Telemetry:
         run_id: str = "",
         environ: Mapping[str, str] | None = None,
         readers: Sequence[MetricReader] = (),
+        rotation: Rotation = DEFAULT_ROTATION,
     ) -> Telemetry:
         """Providers and exporters as the OTEL_* environment asks (see the module docstring), plus
         `readers` of this process's own (the orchestrator's Prometheus exposition)."""
         environ = os.environ if environ is None else environ
         try:
-            span_exporters = exporters("traces", component, Path(directory), environ)
-            metric_exporters = exporters("metrics", component, Path(directory), environ)
+            span_exporters = exporters("traces", component, Path(directory), environ, rotation)
+            metric_exporters = exporters("metrics", component, Path(directory), environ, rotation)
         except TelemetryError as exc:  # `check` stops a bad setting at start; this is the safety net
             log.error("telemetry: %s; writing OTLP/JSON files instead", exc)
             files = "otlp_json_file"
             environ = {**environ, "OTEL_TRACES_EXPORTER": files, "OTEL_METRICS_EXPORTER": files}
-            span_exporters = exporters("traces", component, Path(directory), environ)
-            metric_exporters = exporters("metrics", component, Path(directory), environ)
+            span_exporters = exporters("traces", component, Path(directory), environ, rotation)
+            metric_exporters = exporters("metrics", component, Path(directory), environ, rotation)
         res = resource(component, run_id, environ)
         tracer_provider = TracerProvider(resource=res)
         queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in environ else DEFAULT_QUEUE

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Status, TracesData
 
+from pipeline.observability.export_files import EXPORT
 from pipeline.observability.request_ids import ambiguous, request_key
 
 ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -103,7 +104,8 @@ def read_spans(paths: Iterable[Path]) -> tuple[list[SpanRecord], int]:
 
 
 def trace_files(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*.traces.jsonl"))
+    """Every process's span file, and their rotated older parts (`export_files`)."""
+    return sorted(p for p in directory.glob("*.traces.jsonl*") if EXPORT.match(p.name))
 
 
 # --- for people: `speclanes trace` ----------------------------------------------------

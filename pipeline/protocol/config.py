@@ -11,11 +11,13 @@ import tempfile
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from pipeline.decoding.speculation import Speculation, SpeculationError
+from pipeline.observability.export_files import Rotation
 from pipeline.protocol import address
 
 LANES = ("orchestrator", "verify", "draft", "audit")
@@ -221,10 +223,18 @@ class Tls(Section):
 
 
 class TelemetrySection(Section):
-    """Where the default OTLP/JSON file export goes. Which exporters run, and where an
-    OTLP collector is, follow the standard OTEL_* variables (see pipeline/observability/telemetry.py)."""
+    """Where the default OTLP/JSON file export goes, and its bound: each process's file rotates
+    at `file_max_bytes` and keeps `file_backups` older files; the files of processes that are
+    gone are pruned, oldest first, to one process's share (pipeline/observability/export_files.py).
+    Which exporters run, and where an OTLP collector is, follow the standard OTEL_* variables
+    (see pipeline/observability/telemetry.py)."""
 
     dir: str = "{run_dir}/telemetry"
+    file_max_bytes: Annotated[int, Meta(ge=2**20)] = 32 * 2**20  # at least a batch line (~180 KB)
+    file_backups: Annotated[int, Meta(ge=0, le=100)] = 2
+
+    def rotation(self) -> Rotation:
+        return Rotation(self.file_max_bytes, self.file_backups)
 
 
 class Config(Section):

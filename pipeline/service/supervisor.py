@@ -68,7 +68,9 @@ class Supervisor:
         self.undelivered: collections.deque[Announcement] = collections.deque(maxlen=UNDELIVERED_KEPT)
         self.wake_courier = trio.Event()
         self.control = Outbox(config.addresses.control, config.tls)
-        self.telemetry = Telemetry.configure("supervisor", config.telemetry.dir, config.run_id())
+        self.telemetry = Telemetry.configure(
+            "supervisor", config.telemetry.dir, config.run_id(), rotation=config.telemetry.rotation()
+        )
         self.restarts = self.telemetry.meter.create_counter(
             "speclanes.lane.restarts", "{restart}", "Processes the supervisor restarted after they died"
         )
