@@ -140,8 +140,14 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument(
         "--wait", type=float, default=120.0, help="with --detach: seconds to wait for readiness"
     )
-    stop = sub.add_parser("stop", help="stop a pipeline started with `speclanes start`")
+    stop = sub.add_parser(
+        "stop", help="stop a pipeline started with `speclanes start`: in-flight requests finish first"
+    )
     _add_config_flags(stop)
+    stop.add_argument(
+        "--now", action="store_true",
+        help="stop at once (SIGINT) instead of draining; the next start resumes in-flight requests",
+    )  # fmt: skip
     status = sub.add_parser("status", help="lanes, pids, restarts, active requests, speculation totals")
     _add_config_flags(status)
     status.add_argument("--connect", metavar="ADDR", help="orchestrator address (default: from the config)")
@@ -357,10 +363,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     config = _config(args)
     check()  # an OTEL_* setting no process could honour fails here, not in a restart loop
     if not args.detach:
-        failure = supervise(config)  # an essential lane failed: the pipeline stopped itself
+        failure, status = supervise(config)  # a lane failed, or a drain had to end requests
         if failure is not None:
             print(f"speclanes: error: {failure}", file=sys.stderr)
-        return 0 if failure is None else 1
+        return status
     proc, config = launch(args.set, config_path=args.config, timeout=args.wait)
     print(
         f"speclanes: pipeline up (supervisor pid {proc.pid}; logs in {config.run.dir}; "
@@ -398,14 +404,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
         raise ValueError(
             f"{run_dir} is locked, but pid {pid} is not a speclanes supervisor of yours: not signalling"
         )
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
+    config = _config(args)
+    # SIGTERM drains (in-flight requests finish within shutdown.drain_seconds); SIGINT stops now
+    os.kill(pid, signal.SIGINT if args.now else signal.SIGTERM)
+    patience = 30 + (0 if args.now else config.shutdown.drain_seconds + config.shutdown.flush_seconds)
+    deadline = time.monotonic() + patience
     while time.monotonic() < deadline:
         if running_supervisor(run_dir) is None:
             print(f"speclanes: stopped (supervisor pid {pid})")
             return 0
         time.sleep(0.1)
-    raise ValueError(f"the supervisor (pid {pid}) did not stop within 30 s")
+    raise ValueError(f"the supervisor (pid {pid}) did not stop within {patience:g} s")
 
 
 def require_running(config) -> None:
@@ -434,7 +443,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.connect:
         require_running(config)
     report = _client(args, config, timeout=5.0).status()
-    health = judge(report.lanes)  # what the gateway's /health answers
+    health = judge(report.lanes, report.closing)  # what the gateway's /health answers
     if args.json:
         data = msgspec.to_builtins(report) | {"health": health.body()}
         for lane, status in zip(data["lanes"], report.lanes, strict=True):

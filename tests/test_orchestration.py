@@ -363,8 +363,32 @@ def test_after_a_shutdown_notice_nothing_new_is_admitted(world):
     running = world.submit(PROMPT, params=GREEDY)
     world.feed(world.hub.on_control(Shutdown(reason="SIGTERM"), world.now))
     reply, _ = world.hub.submit(Submit(prompt=PROMPT), world.now)
-    assert isinstance(reply, ErrorReply) and reply.kind == "unavailable" and "SIGTERM" in reply.message
+    assert isinstance(reply, ErrorReply) and reply.kind == "draining" and "SIGTERM" in reply.message
     assert finished(world, running).finish_reason == "length"  # what was admitted still finishes
+
+
+def test_when_the_drain_window_ends_the_unfinished_end_with_server_shutdown_and_are_not_resumed(world):
+    """SIGTERM with a window: what finishes in time finishes; when the window ends, the rest end
+    with a server_shutdown error their clients receive, counted in the status, and journaled as
+    finished, so a restarted orchestrator (the next start) resumes none of them."""
+    short = world.submit(PROMPT, params=GREEDY)
+    long = world.submit(PROMPT, params=SamplingParams(max_tokens=5000, ignore_eos=True))
+    world.feed(world.hub.on_control(Shutdown(reason="SIGTERM", drain_seconds=2.0), world.now))
+    for _ in range(10_000):  # deliveries, until the short one is done (the long one goes on)
+        if world.result(short) is not None:
+            break
+        world.run(until=1)
+    assert world.result(short).finish_reason == "length" and world.result(long) is None
+    world.tick(1.0)
+    assert world.result(long) is None  # the window is still open
+    world.tick(1.5)
+    ended = world.result(long)
+    assert ended.finish_reason == "server_shutdown" and ended.tokens  # what it had, with its usage
+    report = world.hub.status()
+    assert (report.active_requests, report.ended_at_shutdown, report.closing) == (0, 1, "SIGTERM")
+    recovered = world.hub.journal.recover()
+    finished_in_journal = {r.opened.request_id: r.result is not None for r in recovered.requests}
+    assert finished_in_journal == {short: True, long: True}
 
 
 def test_status_reports_lanes_requests_and_faults(world):
@@ -609,7 +633,7 @@ def test_a_shutdown_while_a_prompt_is_tokenized_still_refuses_it(world):
     admitted = world.hub.admit(msg)
     world.feed(world.hub.on_control(Shutdown(reason="SIGTERM"), world.now))
     reply, sends = world.hub.open(msg, admitted, world.now)
-    assert isinstance(reply, ErrorReply) and reply.kind == "unavailable" and sends == []
+    assert isinstance(reply, ErrorReply) and reply.kind == "draining" and sends == []
 
 
 def capped(model: Model, running: int, queued: int) -> World:

@@ -40,6 +40,8 @@ PIPELINE_ERRORS: dict[str, tuple[int, str, str | None]] = {
     "bad_request": (400, "invalid_request_error", None),
     "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded"),
     "unavailable": (503, "server_error", "pipeline_unavailable"),
+    "draining": (503, "server_error", "server_shutting_down"),  # SIGTERM: in-flight requests finish
+    "server_shutdown": (503, "server_error", "server_shutdown"),  # the drain window ended first
     "unknown_request": (500, "server_error", "unknown_request"),
     "overloaded": (429, "server_error", "server_overloaded"),  # admission.max_running + max_queued reached
     "too_large": (413, "invalid_request_error", "request_too_large"),
@@ -53,7 +55,8 @@ def pipeline_error(kind: str, message: str, param: str | None = None) -> ApiErro
     """An orchestrator error reply (or a request that failed in the pipeline) as an ApiError;
     kinds not listed (internal, verification_failed, ...) are 500 server errors."""
     status, type_, code = PIPELINE_ERRORS.get(kind, (500, "server_error", kind))
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 429 else None
+    retry = status == 429 or kind == "draining"  # a restarted or another instance may take it
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if retry else None
     return ApiError(
         status, message, type=type_, code=code, param=param if status == 400 else None, headers=headers
     )
@@ -257,6 +260,8 @@ def failure(done: Result) -> ApiError | None:
     """A final result that is not a completion (failed or cancelled in the pipeline)."""
     if done.error is not None:
         return pipeline_error(done.error.kind, done.error.message)
+    if done.finish_reason == "server_shutdown":  # a drain window closed first (Shutdown)
+        return pipeline_error("server_shutdown", "the server shut down before this request finished")
     if done.finish_reason not in FINISH_REASONS:
         return ApiError(
             500, f"the request ended as {done.finish_reason}", type="server_error", code="aborted"

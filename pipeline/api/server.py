@@ -132,15 +132,17 @@ class Gateway:
 
     # --- readiness ---------------------------------------------------------------------
 
-    async def check(self) -> Health:
-        """The pipeline's health (api/health.py); one that serves is trusted for READY_TRUST_SECONDS."""
-        if trio.current_time() < self.ready_until:
+    async def check(self, fresh: bool = False) -> Health:
+        """The pipeline's health (api/health.py); one that serves is trusted for READY_TRUST_SECONDS
+        by requests (a drain's notice reaches them as the orchestrator's own refusal), never by
+        /health (`fresh`), whose probes must see a drain begin."""
+        if not fresh and trio.current_time() < self.ready_until:
             return self.trusted
         try:
             report = await self.client.status(timeout=READY_CHECK_SECONDS)
         except PipelineError as exc:
             return unreachable(exc.message)
-        health = judge(report.lanes)
+        health = judge(report.lanes, report.closing)
         if health.not_serving is None:
             self.ready_until, self.trusted = trio.current_time() + READY_TRUST_SECONDS, health
         return health
@@ -150,14 +152,16 @@ class Gateway:
         return (await self.check()).not_serving
 
     async def require_ready(self) -> None:
-        reason = await self.not_ready()
-        if reason is not None:
-            raise ApiError(503, reason, type="server_error", code="pipeline_unavailable")
+        health = await self.check()
+        if health.draining:  # 503 with Retry-After, as the orchestrator's own refusal
+            raise pipeline_error("draining", health.not_serving or "draining")
+        if health.not_serving is not None:
+            raise ApiError(503, health.not_serving, type="server_error", code="pipeline_unavailable")
 
     # --- endpoints ---------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        health = await self.check()
+        health = await self.check(fresh=True)
         body = health.body()
         return JSONResponse(body | {"model": self.model}, 200 if body["status"] == "ok" else 503)
 

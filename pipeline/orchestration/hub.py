@@ -31,6 +31,7 @@ from pipeline.decoding.session import Session
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.orchestration.admission import Admitted, admit
 from pipeline.orchestration.admission_queue import AdmissionQueue
+from pipeline.orchestration.closing import Closing
 from pipeline.orchestration.effects import (
     DraftLaneSlow,
     Effect,
@@ -87,7 +88,7 @@ class Hub:
         self.front = ClientFront(config.timeouts)
         self.ledger = Ledger(config.audit, lanes, self.journal, tracing.count_fault)
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
-        self.closing: str | None = None  # the supervisor is stopping the pipeline: admit nothing new
+        self.closing = Closing()  # the supervisor is stopping the pipeline (closing.py)
         self.queue = AdmissionQueue(config.admission)
 
     # --- clients ----------------------------------------------------------------------
@@ -105,8 +106,8 @@ class Hub:
         front = self.front
         if (repeat := front.repeated(msg.idempotency_key) or front.taken(msg.request_id)) is not None:
             return repeat
-        if self.closing:
-            return ErrorReply(kind="unavailable", message=f"the pipeline is shutting down ({self.closing})")
+        if (refusal := self.closing.refusal()) is not None:
+            return refusal
         if (backlog := self.ledger.backlog()) is not None:
             return ErrorReply(kind="overloaded", message=backlog)
         return self.queue.refusal()
@@ -183,7 +184,7 @@ class Hub:
         return StatusReport(
             lanes=self.lanes.statuses(), active_requests=len(self.front.running()) - self.queue.depth,
             queued_requests=self.queue.depth, audit_pending=len(self.ledger.outbox),
-            totals=self.ledger.totals, faults=list(self.ledger.faults),
+            totals=self.ledger.totals, faults=list(self.ledger.faults), **self.closing.fields(),
         )  # fmt: skip
 
     # --- inboxes ----------------------------------------------------------------------
@@ -205,8 +206,7 @@ class Hub:
         if isinstance(msg, Fault):
             return self.ledger.fault(msg, now)
         if isinstance(msg, Shutdown):
-            self.closing = msg.reason or "shutdown"
-            return []
+            return self.closing.notice(msg, now, len(self.front.running()))
         change, lane = self.lanes.update(msg, now), self.lanes.views.get(msg.lane)
         if lane is None or change == "ignored":
             return []
@@ -226,6 +226,8 @@ class Hub:
     def tick(self, now: float) -> list[Send]:
         """Timeouts, abandoned requests, retention and audit resends; call it often (every ~50 ms)."""
         sends: list[Send] = []
+        for machine in self.closing.to_end(now, self.front.running()):  # journaled as finished
+            sends += self._run(machine, machine.cancel(now, "server_shutdown"), now)
         for machine in self.front.running():
             sends += self._run(machine, machine.tick(now), now)
         for machine in self.front.abandoned(now):

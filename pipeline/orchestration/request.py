@@ -176,8 +176,8 @@ class RequestMachine:
         message = f"no answer to {KIND[type(pending)]} step {pending.step}; re-sending"
         return [Raise("timeout", "verify", message, self.id), *self._to_verify(pending, now)]
 
-    def cancel(self, now: float) -> list[Effect]:
-        return [] if self.done else self._finish(now, "cancelled")
+    def cancel(self, now: float, reason: str = "cancelled") -> list[Effect]:  # or "server_shutdown"
+        return [] if self.done else self._finish(now, reason)
 
     # --- after an orchestrator restart ---------------------------------------------------
 

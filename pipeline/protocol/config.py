@@ -222,6 +222,18 @@ class Tls(Section):
         return bool(self.ca_file and self.cert_file and self.key_file)
 
 
+class ShutdownSection(Section):
+    """SIGTERM (`speclanes stop`, systemd, a container runtime) drains: nothing new is admitted
+    (503 with Retry-After; /health 503 "draining"), in-flight requests have `drain_seconds` to
+    finish (vLLM's --shutdown-timeout), then each one left ends with a server_shutdown error and
+    is journaled as finished, so no later start resumes it. SIGINT, a second SIGTERM and
+    `speclanes stop --now` stop at once (in-flight requests are resumed by the next start)."""
+
+    drain_seconds: Annotated[float, Meta(ge=0)] = 30.0
+    # after the drain window, how long the gateway gets to send the last streams their error and [DONE]
+    flush_seconds: Annotated[float, Meta(ge=0)] = 1.0
+
+
 class TelemetrySection(Section):
     """Where the default OTLP/JSON file export goes, and its bound: each process's file rotates
     at `file_max_bytes` and keeps `file_backups` older files; the files of processes that are
@@ -248,6 +260,7 @@ class Config(Section):
     audit: Audit = msgspec.field(default_factory=Audit)
     gateway: Gateway = msgspec.field(default_factory=Gateway)
     telemetry: TelemetrySection = msgspec.field(default_factory=TelemetrySection)
+    shutdown: ShutdownSection = msgspec.field(default_factory=ShutdownSection)
     tls: Tls = msgspec.field(default_factory=Tls)
     admission: Admission = msgspec.field(default_factory=Admission)
 

@@ -298,7 +298,12 @@ class Heartbeat(Message, frozen=True, kw_only=True):
 
 
 class Shutdown(Message, frozen=True, kw_only=True):
+    """The supervisor is stopping the pipeline: admit nothing new. With a drain window, the
+    requests still unfinished when it ends are ended with a server_shutdown error (and journaled
+    as finished, so no later start resumes them); without one the processes are stopped at once."""
+
     reason: str = ""
+    drain_seconds: float = 0.0
 
 
 # --- clients <-> orchestrator ---------------------------------------------------------
@@ -386,6 +391,8 @@ class StatusReport(Message, frozen=True, kw_only=True):
     totals: SpeculativeState
     faults: list[Fault]
     queued_requests: int = 0  # admitted, waiting for one of admission.max_running places
+    closing: str = ""  # why the pipeline admits nothing new (it is shutting down), or ""
+    ended_at_shutdown: int = 0  # requests its drain window ended unfinished (server_shutdown)
 
 
 class MetricsQuery(Message, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from opentelemetry.trace import Span
 from pipeline.model.default import default_model_path
 from pipeline.model.store import load_front
 from pipeline.observability.telemetry import Telemetry
+from pipeline.protocol.client import AsyncClient, PipelineError
 from pipeline.protocol.config import ESSENTIAL, PREDECESSOR, Config
 from pipeline.protocol.messages import Fault, LaneDown, LaneFailed, LaneUp, Shutdown
 from pipeline.protocol.tls import check_files
@@ -56,6 +57,12 @@ MODULES = {
 }
 
 
+UNREACHABLE_SECONDS = 5.0  # a drain stops waiting for an orchestrator silent this long
+DRAIN_CUT_EXIT = (
+    3  # `speclanes start`'s exit status after a drain that had to end requests (1: a lane failed)
+)
+
+
 class Supervisor:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -76,6 +83,8 @@ class Supervisor:
         )
         self.lanes = trio.CancelScope()  # every keep_running: cancelled to stop the pipeline
         self.failure: str | None = None  # why the pipeline stopped itself (an essential lane failed)
+        self.draining = False  # SIGTERM came: the drain runs, a second signal stops at once
+        self.drain_cut = False  # the drain window ended requests: exit with DRAIN_CUT_EXIT
         self.hang_kills: dict[int, str] = {}  # pid -> why watch_heartbeat killed it
 
     def announce(self, message: Announcement) -> None:
@@ -211,6 +220,42 @@ class Supervisor:
             self.announce(Shutdown(reason=self.failure))
             self.lanes.cancel()
 
+    async def drain(self, stop: trio.CancelScope) -> None:
+        """Wait for the orchestrator to have nothing unfinished (it ends what is left when the
+        window closes), give the gateway `flush_seconds` to send the last streams their error and
+        [DONE], then stop everything. A drain that had to end requests stops the pipeline as failed
+        (a non-zero exit)."""
+        window = self.config.shutdown.drain_seconds
+        deadline = trio.current_time() + window + self.config.shutdown.flush_seconds + 5.0
+        client, ended = AsyncClient(self.config.addresses.client, timeout=2.0, tls=self.config.tls), 0
+        answered = trio.current_time()
+        try:
+            while trio.current_time() < deadline:
+                try:
+                    report = await client.status(timeout=2.0)
+                except PipelineError:  # restarting: its successor drains too; gone for good: stop
+                    if trio.current_time() - answered > UNREACHABLE_SECONDS:
+                        log.warning("the orchestrator does not answer: not waiting for a drain")
+                        break
+                    await trio.sleep(0.2)
+                    continue
+                answered, ended = trio.current_time(), report.ended_at_shutdown
+                if report.active_requests + report.queued_requests == 0:
+                    break
+                await trio.sleep(0.1)
+            else:
+                ended = max(ended, 1)  # no answer that it drained: count it as cut short
+            if ended:
+                self.drain_cut = True
+                self.failure = f"the drain window ({window:g} s) ended {ended} unfinished requests"
+                log.warning("%s: ended the rest with a server_shutdown error", self.failure)
+                await trio.sleep(self.config.shutdown.flush_seconds)
+            else:
+                log.info("drained: every in-flight request finished")
+        finally:
+            client.close()
+            stop.cancel()
+
     async def stop_children(self) -> None:
         alive = [p for p in self.children.values() if p.returncode is None]
         for proc in alive:
@@ -242,9 +287,17 @@ class Supervisor:
                         nursery.start_soon(self.keep_running, name, config_path)
                     nursery.start_soon(self.reannounce)
                     nursery.start_soon(self.courier)
+                    drain = self.config.shutdown.drain_seconds
                     async for signum in signals:
-                        log.info("%s: shutting down", signal.Signals(signum).name)
-                        self.announce(Shutdown(reason=signal.Signals(signum).name))
+                        name = signal.Signals(signum).name
+                        if signum == signal.SIGTERM and drain > 0 and not self.draining:
+                            log.info("%s: draining (up to %g s), then shutting down", name, drain)
+                            self.draining = True
+                            self.announce(Shutdown(reason=name, drain_seconds=drain))
+                            nursery.start_soon(self.drain, nursery.cancel_scope)
+                            continue
+                        log.info("%s: shutting down now", name)
+                        self.announce(Shutdown(reason=name))
                         nursery.cancel_scope.cancel()
                         break
         finally:
@@ -254,15 +307,19 @@ class Supervisor:
         return self.failure
 
 
-def supervise(config: Config) -> str | None:
+def supervise(config: Config) -> tuple[str | None, int]:
     """Lock the run directory before anything else; every process started from here keeps its
-    files private (umask 077). Returns why the pipeline stopped itself, None after a signal."""
+    files private (umask 077). Returns why the pipeline stopped itself (None after a signal and a
+    clean drain) and the exit status that says so: 0, 1 (an essential lane failed) or
+    DRAIN_CUT_EXIT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
     check_files(config)  # a missing key fails `start` in one line, not every lane in a restart loop
     os.umask(PRIVATE_UMASK)
     lock = RunLock(Path(config.run.dir))
     lock.acquire()
+    supervisor = Supervisor(config)
     try:
-        return trio.run(Supervisor(config).run)
+        failure = trio.run(supervisor.run)
     finally:
         lock.release()
+    return failure, 0 if failure is None else DRAIN_CUT_EXIT if supervisor.drain_cut else 1
