@@ -9,6 +9,7 @@ first tokens.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -23,6 +24,7 @@ from pipeline.api.openai import pipeline_error
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
+from pipeline.orchestration.journal import Journal
 from pipeline.protocol.messages import LaneStatus, SpeculativeState
 from pipeline.service.supervisor import DRAIN_CUT_EXIT
 
@@ -163,5 +165,41 @@ def test_with_a_1_s_window_every_stream_ends_with_an_error_and_done_and_none_is_
         time.sleep(1.0)
         report = again.status()
         assert report.active_requests + report.queued_requests == 0  # the next start resumes none
+    finally:
+        again.stop()
+
+
+@pytest.mark.slow
+def test_after_a_supervisor_sigkill_the_http_streams_requests_are_cancelled_within_10_s(tmp_path):
+    """The supervisor and all its processes are SIGKILLed at once (its process group: as the OOM
+    killer or a lost container would) with 8 HTTP streams in flight, so no gateway is left to
+    cancel them. The next start recovers the requests from the journal, and cancels them once its
+    own gateway is up: theirs is gone."""
+    run = tmp_path / "run"
+    pipeline = Pipeline(run, [])
+    pipeline.start()
+    streams = [
+        Stream(pipeline.gateway_url, pipeline.config.model_id(), PROMPTS[i % 4], 4000) for i in range(8)
+    ]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.started.wait(60)
+    assert pipeline.proc is not None
+    os.killpg(pipeline.proc.pid, signal.SIGKILL)
+    pipeline.proc.wait()
+    for stream in streams:
+        stream.join(30)
+    recovered = Journal(run / "journal.sqlite").recover().requests
+    assert sum(r.result is None for r in recovered) == 8  # nothing had the time to cancel them
+    again = Pipeline(run, [])
+    again.start()
+    try:
+        began = time.monotonic()
+        report = again.wait_until(
+            lambda r: r.active_requests + r.queued_requests == 0, timeout=10, what="the orphans cancelled"
+        )
+        print(f"orphaned requests cancelled {time.monotonic() - began:.1f} s after the restart was up")
+        assert report.lanes
     finally:
         again.stop()

@@ -589,6 +589,29 @@ def test_a_dead_gateway_s_requests_are_cancelled_and_nobody_else_s(world):
     assert mine not in world.verifier.requests
 
 
+def test_after_a_restart_of_everything_a_dead_gateway_s_requests_are_cancelled_when_a_new_one_is_up(
+    model, tmp_path
+):
+    """A supervisor SIGKILL takes every process with it, so no LaneDown ever says the gateway
+    died: the restarted orchestrator recovers its requests from the journal. When the new gateway
+    (another pid) is up, the requests of the one before it are cancelled; a socket client's are
+    not (its own lease, timeouts.client_idle, decides), nor the new gateway's."""
+    from pipeline.protocol.messages import Heartbeat, SpeculativeState
+
+    world = World(model, journal_path=str(tmp_path / "journal.sqlite"))
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    old = world.submit(PROMPT, params=params, owner="gateway:55")
+    socket_client = world.submit(PROMPT, params=params)
+    world.run(until=6)
+    world.orchestrator_killed(deliver_in_flight=False)
+    assert world.result(old) is None  # recovered, running again
+    new = world.submit(PROMPT, params=params, owner="gateway:77")
+    world.feed(world.hub.on_control(Heartbeat(lane="gateway", pid=77, state=SpeculativeState()), world.now))
+    world.run(until=20)
+    assert world.result(old).finish_reason == "cancelled"
+    assert world.result(socket_client) is None and world.result(new) is None
+
+
 # --- admission: tokenizing apart from opening, the running cap and its queue -------------------
 
 

@@ -70,6 +70,16 @@ class ClientFront:
     def owned_by(self, owner: str) -> list[RequestMachine]:
         return [t.machine for t in self.requests.values() if t.owner == owner and not t.machine.done]
 
+    def orphaned(self, lane: str, pid: int | None) -> list[RequestMachine]:
+        """Unfinished requests owned by another process of `lane` than `pid`, now that `pid` is up:
+        a lane runs one process at a time, so theirs is gone (after a supervisor's restart no
+        LaneDown ever said so; their clients went with it)."""
+        prefix = f"{lane}:"
+        return [
+            t.machine for t in self.requests.values()
+            if t.owner.startswith(prefix) and t.owner != f"{lane}:{pid}" and not t.machine.done
+        ]  # fmt: skip
+
     def running(self) -> list[RequestMachine]:
         return [t.machine for t in self.requests.values() if not t.machine.done]
 

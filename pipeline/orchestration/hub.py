@@ -75,14 +75,9 @@ log = logging.getLogger(__name__)
 
 class Hub:
     def __init__(
-        self,
-        config: Config,
-        tokenizer: Tokenizer,
-        context_length: int,
-        tracing: RequestTracing,
-        lanes: LaneTable,
-        journal: Journal | None = None,
-    ) -> None:
+        self, config: Config, tokenizer: Tokenizer, context_length: int, tracing: RequestTracing,
+        lanes: LaneTable, journal: Journal | None = None,
+    ) -> None:  # fmt: skip
         self.config, self.tokenizer, self.context_length = config, tokenizer, context_length
         self.tracing, self.lanes, self.journal = tracing, lanes, journal or Journal()
         self.front = ClientFront(config.timeouts)
@@ -221,6 +216,9 @@ class Hub:
             if msg.lane == "verify":
                 for machine in self.front.running():
                     sends += self._run(machine, machine.verify_lane_up(now), now)
+            for machine in self.front.orphaned(msg.lane, msg.pid):  # a gateway before this one is gone
+                log.info("%s %d is up: cancelling %s of its predecessor", msg.lane, msg.pid, machine.id)
+                sends += self._run(machine, machine.cancel(now), now)
         return sends
 
     def tick(self, now: float) -> list[Send]:
