@@ -12,12 +12,14 @@ nothing and a re-sent event is ignored by its id.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 
 import trio
 
 from lanes.lane import LaneContext, lane_main
 from pipeline.audit.store import AuditStore
+from pipeline.orchestration.storage import is_full
 from pipeline.protocol.messages import AuditAck, AuditEvent, AuditInbox, BadMessage
 from pipeline.protocol.transport import Inbox, Outbox
 
@@ -27,7 +29,13 @@ log = logging.getLogger(__name__)
 def retain(store: AuditStore, lane: LaneContext) -> float:
     """Apply the configured retention limits now; returns when to apply them next (monotonic)."""
     audit = lane.config.audit
-    deleted = store.prune(max_age_seconds=audit.max_age_days * 86400.0, max_requests=audit.max_requests)
+    try:
+        deleted = store.prune(max_age_seconds=audit.max_age_days * 86400.0, max_requests=audit.max_requests)
+    except (sqlite3.OperationalError, OSError) as exc:
+        if not is_full(exc):
+            raise
+        log.warning("retention: the disk is full (%s); trying again in a minute", exc)
+        return time.monotonic() + 60.0
     if deleted:
         log.info("retention: deleted %d requests from the audit store", deleted)
     return time.monotonic() + audit.prune_seconds
@@ -98,7 +106,15 @@ async def persist(lane: LaneContext, store: AuditStore, acks: Outbox, messages: 
     if not events:
         return
     start_ns = time.time_ns()
-    ids = store.add(events)
+    try:
+        ids = store.add(events)
+    except (sqlite3.OperationalError, OSError) as exc:
+        if not is_full(exc):
+            raise
+        # Not acknowledged, so the orchestrator keeps them and sends them again (audit.resend_after)
+        lane.fault("storage_full", f"the audit store cannot write {len(events)} events: {exc}")
+        await trio.sleep(lane.config.audit.resend_after)
+        return
     trace_persisted(lane, events, start_ns)
     lane.state.runs += len(ids)
     try:

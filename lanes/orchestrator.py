@@ -18,6 +18,7 @@ import functools
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -35,6 +36,7 @@ from pipeline.orchestration.front import unknown
 from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import open_journal
 from pipeline.orchestration.lane_table import LANES, LaneTable
+from pipeline.orchestration.storage import StorageFull, StorageGuard
 from pipeline.orchestration.tokenizing import detokenize, tokenize
 from pipeline.orchestration.tracing import RequestTracing, gauges_of
 from pipeline.protocol.config import PREDECESSOR
@@ -78,6 +80,7 @@ class OrchestratorLane:
         self.wakeups: dict[str, trio.Event] = {}
         self.codec: Codec[Any] = Codec(ClientRequest)
         self.admitting = trio.CapacityLimiter(ADMITTING_THREADS)
+        self.storage = StorageGuard(Path(config.run.journal).parent, config.storage.min_free_bytes)
 
     def now(self) -> float:
         return trio.current_time()
@@ -132,6 +135,9 @@ class OrchestratorLane:
         while True:
             await trio.sleep(TICK_SECONDS)
             self.guarded(self.hub.tick)
+            if failure := self.hub.journal.take_failure():
+                self.storage.failed(failure)
+            self.storage.check(self.now(), self.hub.journal.probe)
             self.gauges = gauges_of(self.hub.status())
 
     async def answer(self, data: bytes) -> Message:
@@ -152,7 +158,7 @@ class OrchestratorLane:
             return MetricsReport(text=self.exposition.text(), content_type=CONTENT_TYPE)
         else:
             assert isinstance(msg, StatusQuery)
-            return self.hub.status()
+            return msgspec.structs.replace(self.hub.status(), storage=self.storage.reason)
         self.dispatch(sends)
         return reply
 
@@ -165,8 +171,9 @@ class OrchestratorLane:
         return await trio.to_thread.run_sync(*call, limiter=self.admitting)
 
     async def submit(self, msg: Submit) -> Message:
-        """Tokenized off the event loop, then opened in it (the hub is not thread-safe)."""
-        if (early := self.hub.early_answer(msg)) is not None:  # spare the tokenizer a repeat or refusal
+        """Tokenized off the event loop, then opened in it (the hub is not thread-safe). A full disk
+        refuses it (storage.py), before or while it is journaled."""
+        if (early := self.hub.early_answer(msg) or self.storage.refusal()) is not None:
             return early
         # Each Submit waiting for a tokenizer thread holds its whole prompt: bound them as well, by as
         # many as could be admitted at all.
@@ -177,7 +184,11 @@ class OrchestratorLane:
         admitted = await trio.to_thread.run_sync(self.hub.admit, msg, limiter=self.admitting)
         if isinstance(admitted, ErrorReply):
             return admitted
-        reply, sends = self.hub.open(msg, admitted, self.now())
+        try:
+            reply, sends = self.hub.open(msg, admitted, self.now())
+        except StorageFull as exc:
+            self.storage.failed(exc)
+            return ErrorReply(kind="storage_full", message=self.storage.reason)
         self.dispatch(sends)
         return reply
 

@@ -443,7 +443,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.connect:
         require_running(config)
     report = _client(args, config, timeout=5.0).status()
-    health = judge(report.lanes, report.closing)  # what the gateway's /health answers
+    health = judge(report.lanes, report.closing, report.storage)  # what the gateway's /health answers
     if args.json:
         data = msgspec.to_builtins(report) | {"health": health.body()}
         for lane, status in zip(data["lanes"], report.lanes, strict=True):

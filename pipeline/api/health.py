@@ -21,6 +21,7 @@ class Health:
     not_serving: str | None = None  # why no request can be served now (None: they are, maybe degraded)
     failed: dict[str, str] = field(default_factory=dict)  # each failed lane: its own last error line
     draining: bool = False  # not serving because it is shutting down: a client should retry elsewhere
+    storage_full: bool = False  # not serving because the disk is full: a client may retry later
 
     def reason(self) -> str | None:
         """Why /health answers 503, or None for 200."""
@@ -36,11 +37,13 @@ class Health:
         return {"status": "unavailable", "reason": reason} | ({"failed": self.failed} if self.failed else {})
 
 
-def judge(lanes: Sequence[LaneStatus], closing: str = "") -> Health:
+def judge(lanes: Sequence[LaneStatus], closing: str = "", storage: str = "") -> Health:
     failed = {lane.name: lane.reason for lane in lanes if lane.state == "failed"}
     down = [lane.name for lane in lanes if lane.name in ESSENTIAL and lane.state != "up"]
     if closing:  # in-flight requests still finish; nothing new is admitted
         return Health(f"draining: the pipeline is shutting down ({closing})", failed, draining=True)
+    if storage:  # in-flight requests go on while they can be recorded; nothing new is admitted
+        return Health(storage, failed, storage_full=True)
     return Health(f"the pipeline is not ready (not up: {', '.join(down)})" if down else None, failed)
 
 

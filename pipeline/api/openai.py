@@ -42,6 +42,7 @@ PIPELINE_ERRORS: dict[str, tuple[int, str, str | None]] = {
     "unavailable": (503, "server_error", "pipeline_unavailable"),
     "draining": (503, "server_error", "server_shutting_down"),  # SIGTERM: in-flight requests finish
     "server_shutdown": (503, "server_error", "server_shutdown"),  # the drain window ended first
+    "storage_full": (503, "server_error", "storage_full"),  # the run directory's disk is full
     "unknown_request": (500, "server_error", "unknown_request"),
     "overloaded": (429, "server_error", "server_overloaded"),  # admission.max_running + max_queued reached
     "too_large": (413, "invalid_request_error", "request_too_large"),
@@ -55,7 +56,7 @@ def pipeline_error(kind: str, message: str, param: str | None = None) -> ApiErro
     """An orchestrator error reply (or a request that failed in the pipeline) as an ApiError;
     kinds not listed (internal, verification_failed, ...) are 500 server errors."""
     status, type_, code = PIPELINE_ERRORS.get(kind, (500, "server_error", kind))
-    retry = status == 429 or kind == "draining"  # a restarted or another instance may take it
+    retry = status == 429 or kind in ("draining", "storage_full")  # later, or another instance
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if retry else None
     return ApiError(
         status, message, type=type_, code=code, param=param if status == 400 else None, headers=headers
@@ -254,14 +255,18 @@ def _one_prompt(prompt: str | list[str | int | list[int]]) -> str | list[int]:
 # --- responses ------------------------------------------------------------------------
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "max_iterations_exceeded": "length"}
+ENDED = {
+    "server_shutdown": "the server shut down before this request finished",
+    "storage_full": "the server's disk is full: this request could not be recorded, so it ended here",
+}
 
 
 def failure(done: Result) -> ApiError | None:
     """A final result that is not a completion (failed or cancelled in the pipeline)."""
     if done.error is not None:
         return pipeline_error(done.error.kind, done.error.message)
-    if done.finish_reason == "server_shutdown":  # a drain window closed first (Shutdown)
-        return pipeline_error("server_shutdown", "the server shut down before this request finished")
+    if done.finish_reason in ENDED:  # the pipeline ended it: a drain window closed, the disk filled
+        return pipeline_error(done.finish_reason, ENDED[done.finish_reason])
     if done.finish_reason not in FINISH_REASONS:
         return ApiError(
             500, f"the request ended as {done.finish_reason}", type="server_error", code="aborted"

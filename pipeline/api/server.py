@@ -142,7 +142,7 @@ class Gateway:
             report = await self.client.status(timeout=READY_CHECK_SECONDS)
         except PipelineError as exc:
             return unreachable(exc.message)
-        health = judge(report.lanes, report.closing)
+        health = judge(report.lanes, report.closing, report.storage)
         if health.not_serving is None:
             self.ready_until, self.trusted = trio.current_time() + READY_TRUST_SECONDS, health
         return health
@@ -153,8 +153,8 @@ class Gateway:
 
     async def require_ready(self) -> None:
         health = await self.check()
-        if health.draining:  # 503 with Retry-After, as the orchestrator's own refusal
-            raise pipeline_error("draining", health.not_serving or "draining")
+        if health.draining or health.storage_full:  # 503 with Retry-After, as the orchestrator's refusal
+            raise pipeline_error("draining" if health.draining else "storage_full", health.not_serving or "")
         if health.not_serving is not None:
             raise ApiError(503, health.not_serving, type="server_error", code="pipeline_unavailable")
 

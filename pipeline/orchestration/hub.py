@@ -47,6 +47,7 @@ from pipeline.orchestration.journal import Journal, OpenedRecord
 from pipeline.orchestration.lane_table import LaneTable
 from pipeline.orchestration.ledger import Ledger
 from pipeline.orchestration.request import Identity, RequestMachine
+from pipeline.orchestration.storage import StorageFull
 from pipeline.orchestration.tracing import RequestTracing
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
@@ -74,6 +75,8 @@ log = logging.getLogger(__name__)
 
 
 class Hub:
+    # Over 250 lines: the orchestrator's one synchronous core, every inbox's handling in one place
+    # (what each message does to the requests is in request.py, closing.py and storage.py).
     def __init__(
         self, config: Config, tokenizer: Tokenizer, context_length: int, tracing: RequestTracing,
         lanes: LaneTable, journal: Journal | None = None,
@@ -260,7 +263,10 @@ class Hub:
             elif isinstance(effect, Raise):
                 sends += self._raise(effect.kind, effect.lane, effect.message, effect.request_id, now)
             elif isinstance(effect, Journaled):
-                self.journal.stepped(machine.id, effect.record)
+                try:
+                    self.journal.stepped(machine.id, effect.record)
+                except StorageFull:  # the disk is full (storage.py): the request ends here, with that reason
+                    return sends + self._run(machine, machine.cancel(now, "storage_full"), now)
             elif isinstance(effect, Stepped):
                 self.tracing.step(*effect)
             elif isinstance(effect, FirstToken):

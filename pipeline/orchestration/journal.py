@@ -28,6 +28,7 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -38,6 +39,7 @@ from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
+from pipeline.orchestration.storage import StorageFull, is_full
 
 KEPT_FAULTS = 200
 FORMAT = 1  # PRAGMA user_version; 0: a journal from before formats were recorded, read as 1
@@ -105,6 +107,10 @@ class Recovered:
 
 
 class Journal:
+    """Writes that must precede what a client sees (`opened`, `stepped`, `probe`) raise StorageFull
+    when the disk is full; the others (a result, the outbox, faults, counters) are kept in memory
+    by their owners meanwhile, so their failure is only remembered (`take_failure`, storage.py)."""
+
     def __init__(self, path: str | Path = ":memory:") -> None:
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -112,6 +118,27 @@ class Journal:
         self.db.executescript(SCHEMA)
         self.db.execute(f"PRAGMA user_version = {FORMAT}")
         self.encoder = msgspec.msgpack.Encoder()
+        self.failure = ""  # the last write that failed for want of space, until taken
+
+    @contextlib.contextmanager
+    def _storage(self, critical: bool) -> Iterator[None]:
+        try:
+            yield
+        except (sqlite3.OperationalError, OSError) as exc:
+            if not is_full(exc):
+                raise
+            self.failure = str(exc) or type(exc).__name__
+            if critical:
+                raise StorageFull(self.failure) from None
+
+    def take_failure(self) -> str:
+        failure, self.failure = self.failure, ""
+        return failure
+
+    def probe(self) -> None:
+        """A small write: raises StorageFull while the disk cannot take it."""
+        with self._storage(critical=True):
+            self.db.execute("INSERT OR REPLACE INTO state VALUES ('probe', x'00')")
 
     def close(self) -> None:
         self.db.close()
@@ -119,43 +146,51 @@ class Journal:
     # --- requests ----------------------------------------------------------------------
 
     def opened(self, record: OpenedRecord) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO opened VALUES (?, ?)", (record.request_id, self.encoder.encode(record))
-        )
+        with self._storage(critical=True):
+            self.db.execute(
+                "INSERT OR REPLACE INTO opened VALUES (?, ?)",
+                (record.request_id, self.encoder.encode(record)),
+            )
 
     def stepped(self, request_id: str, record: StepRecord) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO steps VALUES (?, ?, ?)",
-            (request_id, record.step, self.encoder.encode(record)),
-        )
+        with self._storage(critical=True):
+            self.db.execute(
+                "INSERT OR REPLACE INTO steps VALUES (?, ?, ?)",
+                (request_id, record.step, self.encoder.encode(record)),
+            )
 
     def finished(self, request_id: str, result: Result, wall: float) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO results VALUES (?, ?, ?)", (request_id, self.encoder.encode(result), wall)
-        )
+        with self._storage(critical=False):
+            self.db.execute(
+                "INSERT OR REPLACE INTO results VALUES (?, ?, ?)",
+                (request_id, self.encoder.encode(result), wall),
+            )
 
     def forget(self, request_id: str) -> None:
-        with self.db:
+        with self._storage(critical=False), self.db:
             for table in ("opened", "steps", "results"):
                 self.db.execute(f"DELETE FROM {table} WHERE request_id = ?", (request_id,))
 
     # --- the audit outbox, faults and counters -----------------------------------------
 
     def outbox_add(self, event_id: str, data: bytes) -> None:
-        self.db.execute("INSERT OR REPLACE INTO outbox VALUES (?, ?)", (event_id, data))
+        with self._storage(critical=False):
+            self.db.execute("INSERT OR REPLACE INTO outbox VALUES (?, ?)", (event_id, data))
 
     def outbox_ack(self, event_ids: list[str]) -> None:
-        self.db.executemany("DELETE FROM outbox WHERE event_id = ?", [(e,) for e in event_ids])
+        with self._storage(critical=False):
+            self.db.executemany("DELETE FROM outbox WHERE event_id = ?", [(e,) for e in event_ids])
 
     def fault(self, data: bytes) -> None:
-        with self.db:
+        with self._storage(critical=False), self.db:
             self.db.execute("INSERT INTO faults (data) VALUES (?)", (data,))
             self.db.execute(
                 "DELETE FROM faults WHERE seq <= (SELECT MAX(seq) FROM faults) - ?", (KEPT_FAULTS,)
             )
 
     def put_state(self, key: str, value: bytes) -> None:
-        self.db.execute("INSERT OR REPLACE INTO state VALUES (?, ?)", (key, value))
+        with self._storage(critical=False):
+            self.db.execute("INSERT OR REPLACE INTO state VALUES (?, ?)", (key, value))
 
     # --- recovery ----------------------------------------------------------------------
 

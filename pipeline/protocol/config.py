@@ -222,6 +222,14 @@ class Tls(Section):
         return bool(self.ca_file and self.cert_file and self.key_file)
 
 
+class StorageSection(Section):
+    """The run directory's disk (pipeline/orchestration/storage.py): below `min_free_bytes` free,
+    or after a write failed for want of space, new requests are refused (HTTP 503 storage_full)
+    until space returns; the pipeline notices within about a second."""
+
+    min_free_bytes: Annotated[int, Meta(ge=0)] = 64 * 2**20
+
+
 class ShutdownSection(Section):
     """SIGTERM (`speclanes stop`, systemd, a container runtime) drains: nothing new is admitted
     (503 with Retry-After; /health 503 "draining"), in-flight requests have `drain_seconds` to
@@ -261,6 +269,7 @@ class Config(Section):
     gateway: Gateway = msgspec.field(default_factory=Gateway)
     telemetry: TelemetrySection = msgspec.field(default_factory=TelemetrySection)
     shutdown: ShutdownSection = msgspec.field(default_factory=ShutdownSection)
+    storage: StorageSection = msgspec.field(default_factory=StorageSection)
     tls: Tls = msgspec.field(default_factory=Tls)
     admission: Admission = msgspec.field(default_factory=Admission)
 

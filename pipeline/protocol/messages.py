@@ -37,6 +37,7 @@ FaultKind = Literal[
     "timeout",
     "bad_request",
     "unknown_request",
+    "storage_full",
 ]
 
 
@@ -393,6 +394,7 @@ class StatusReport(Message, frozen=True, kw_only=True):
     queued_requests: int = 0  # admitted, waiting for one of admission.max_running places
     closing: str = ""  # why the pipeline admits nothing new (it is shutting down), or ""
     ended_at_shutdown: int = 0  # requests its drain window ended unfinished (server_shutdown)
+    storage: str = ""  # why the run directory's disk takes no new work now (full, low), or ""
 
 
 class MetricsQuery(Message, frozen=True, kw_only=True):
