@@ -22,9 +22,9 @@ from pipeline.model.sealed import directory_problem, file_problem, seal_director
 from .tinymodel import TinySpec, write_tiny_gguf
 
 
-def generate(model: Path, cache: Path) -> tuple[dict, list[str]]:
+def generate(model: Path, cache: Path, backend: str = "native") -> tuple[dict, list[str]]:
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "generate", "-m", str(model), "--backend", "native",
+        [sys.executable, "-m", "pipeline.cli", "generate", "-m", str(model), "--backend", backend,
          "--max-tokens", "6", "--ignore-eos", "--json", "--logprobs", "3", "one two three"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "SPECLANES_CACHE": str(cache)},
     )  # fmt: skip
@@ -53,11 +53,12 @@ def one_of(cache: Path, pattern: str) -> Path:
     return found[0]
 
 
-TARGETS = {
-    "front embedding": "*-front-*/embed.npy",
-    "native weights": "*-native-*/0.wqkv.0.npy",
-    "native manifest": "*-native-*/manifest.json",
-    "kernel library": "native/*/rowkernels.so",
+TARGETS = {  # what is damaged: (the backend that reads it, where it is)
+    "front embedding": ("native", "*-front-*/embed.npy"),
+    "native weights": ("native", "*-native-*/0.wqkv.0.npy"),
+    "native manifest": ("native", "*-native-*/manifest.json"),
+    "kernel library": ("native", "native/*/rowkernels.so"),
+    "torch weights": ("torch:bf16", "*-torch-bf16-*.pt"),
 }
 
 
@@ -67,8 +68,10 @@ def clean(tmp_path_factory):
     model = root / "tiny.gguf"
     write_tiny_gguf(model, TinySpec(quant="Q4_K_M", d_model=256, d_ff=512, seed=7))
     cache = root / "cache"
-    want, lines = generate(model, cache)
-    assert not [line for line in lines if "damaged" in line]
+    want = {}
+    for backend in {backend for backend, _ in TARGETS.values()}:
+        want[backend], lines = generate(model, cache, backend)
+        assert not [line for line in lines if "damaged" in line]
     return model, cache, want
 
 
@@ -76,16 +79,16 @@ def clean(tmp_path_factory):
 @pytest.mark.parametrize("damage", [flip, cut], ids=["flipped", "cut"])
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_damaged_cache_file_is_rebuilt_and_the_answer_is_unchanged(clean, target, damage):
-    model, cache, want = clean
-    path = one_of(cache, TARGETS[target])
-    damage(path)
-    got, lines = generate(model, cache)
-    assert got == want
+    model, cache, wants = clean
+    backend, pattern = TARGETS[target]
+    damage(one_of(cache, pattern))
+    got, lines = generate(model, cache, backend)
+    assert got == wants[backend]
     warnings = [line for line in lines if "is damaged" in line]
     assert len(warnings) == 1, lines
     assert "rebuilding" in warnings[0]
-    again, lines = generate(model, cache)  # rebuilt and sealed: clean from now on
-    assert again == want and not [line for line in lines if "damaged" in line]
+    again, lines = generate(model, cache, backend)  # rebuilt and sealed: clean from now on
+    assert again == wants[backend] and not [line for line in lines if "damaged" in line]
 
 
 @pytest.mark.slow
@@ -94,7 +97,30 @@ def test_a_damaged_hash_memo_is_hashed_again(clean):
     (memo,) = (cache / "hashes").iterdir()
     memo.write_text("not a digest")
     got, _ = generate(model, cache)
-    assert got == want and memo.read_text() != "not a digest"
+    assert got == want["native"] and memo.read_text() != "not a digest"
+
+
+def test_a_damaged_calibration_is_measured_again(tmp_path, monkeypatch, caplog):
+    """The cost model's stored t(rows) curve: a digit changed in place (same size) is caught by its
+    checksum, with one warning, and the curve is measured again rather than trusted."""
+    import logging
+
+    from pipeline.model import calibration, load_model
+    from pipeline.model.store import form_directory
+
+    monkeypatch.setenv("SPECLANES_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(quant="Q8_0", seed=3))
+    model = load_model(path, "native")
+    rows = max(calibration.ROWS)
+    monkeypatch.setattr(calibration, "measure", lambda *_: [0.25] * rows)
+    assert calibration.stored_row_seconds(model, path) == [0.25] * rows
+    (entry,) = form_directory(path, "calibration").glob("*.json")
+    entry.write_text(entry.read_text().replace("0.25", "0.75", 1))  # same size, a cheaper-looking curve
+    monkeypatch.setattr(calibration, "measure", lambda *_: [0.5] * rows)
+    with caplog.at_level(logging.WARNING):  # a fresh process's model: nothing measured in memory yet
+        assert calibration.stored_row_seconds(load_model(path, "native"), path) == [0.5] * rows
+    assert len([r for r in caplog.records if "is damaged" in r.getMessage()]) == 1
 
 
 def test_a_seal_trusts_an_unchanged_file_and_checks_a_rewritten_one(tmp_path):
