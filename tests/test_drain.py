@@ -171,9 +171,9 @@ def test_with_a_1_s_window_every_stream_ends_with_an_error_and_done_and_none_is_
 
 @pytest.mark.slow
 def test_after_a_supervisor_sigkill_the_http_streams_requests_are_cancelled_within_10_s(tmp_path):
-    """The supervisor and all its processes are SIGKILLed at once (its process group: as the OOM
-    killer or a lost container would) with 8 HTTP streams in flight, so no gateway is left to
-    cancel them. The next start recovers the requests from the journal, and cancels them once its
+    """The supervisor and all its processes are SIGKILLed at once (as the OOM killer or a lost
+    container would) with 8 HTTP streams in flight, the orchestrator first, so no gateway is left
+    to cancel them. The next start recovers the requests from the journal, and cancels them once its
     own gateway is up: theirs is gone."""
     run = tmp_path / "run"
     pipeline = Pipeline(run, [])
@@ -186,7 +186,10 @@ def test_after_a_supervisor_sigkill_the_http_streams_requests_are_cancelled_with
     for stream in streams:
         assert stream.started.wait(60)
     assert pipeline.proc is not None
-    os.killpg(pipeline.proc.pid, signal.SIGKILL)
+    pids = {lane.name: lane.pid for lane in pipeline.status().lanes if lane.pid}
+    # the orchestrator first, so that no gateway can still cancel its streams there; then the rest
+    for pid in [pids.pop("orchestrator"), *pids.values(), pipeline.proc.pid]:
+        os.kill(pid, signal.SIGKILL)
     pipeline.proc.wait()
     for stream in streams:
         stream.join(30)

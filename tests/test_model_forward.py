@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.model import Model
+from pipeline.model.store import FORMAT_VERSION
 
 from .tinymodel import TinySpec, reference_logits
 
@@ -115,7 +116,7 @@ def test_prepared_weights_are_cached_and_memory_mapped(tiny_model_file, weight_c
     assert isinstance(second.w["wqkv"].base, np.memmap) or isinstance(
         np.asarray(second.w["wqkv"]).base, np.memmap
     )
-    assert any(p.name.endswith("-v1") for p in weight_cache.iterdir())
+    assert any(p.name.endswith(f"-v{FORMAT_VERSION}") for p in weight_cache.iterdir())
     tokens = prompt(5, seed=10)
     np.testing.assert_array_equal(
         first.forward(first.new_cache(), tokens), second.forward(second.new_cache(), tokens)

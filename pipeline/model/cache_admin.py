@@ -39,6 +39,8 @@ def entries(root: Path) -> Iterator[tuple[Path, str | None]]:
             yield path, directory_problem(path, trust_stamp=False)
         elif path.is_dir():
             yield from _files(path)
+        elif path.with_name(path.name + SUFFIX).exists():  # a single-file form (the torch packing)
+            yield path, file_problem(path, trust_stamp=False)
         elif not path.name.endswith((SUFFIX, ".tmp")):
             yield path, "not a cache entry"
 
