@@ -1,6 +1,6 @@
 """Which runtime serves a model: native (the default), torch, or the numpy float32 reference.
 
-- native: the GGUF's own 4/8-bit blocks times 8-bit activations with exact integer sums, in C
+- native: the GGUF's own 4- to 8-bit blocks times 8-bit activations with exact integer sums, in C
   kernels built for this CPU (AVX512-VNNI where it has it, portable C with the same bits
   elsewhere); the fastest row-invariant path measured on every machine so far.
 - torch: torch's int4 group-32 (or bf16) products around the same row-invariant C kernels.

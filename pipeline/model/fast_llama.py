@@ -1,6 +1,6 @@
 """The fast runtime: row-invariant C kernels around a pluggable weight product.
 
-A layer is four weight products (`fast_products`: the native 4/8-bit kernels, or torch's) and
+A layer is four weight products (`fast_products`: the native block kernels, or torch's) and
 four calls into `rowkernels.c` (norm, RoPE and attention, SiLU, residual-plus-norm). Every one
 of them computes a row's values with the same instructions whatever the other rows are, which
 `tests/test_row_invariance.py` checks bit for bit; so a position's logits depend neither on

@@ -1,5 +1,5 @@
 """Builds and loads the fast runtime's C kernels: `rowkernels.c` (norms, RoPE and attention, SiLU)
-and `products.c` (the GGUF's 4/8-bit blocks times 8-bit activations).
+and `products.c` (the GGUF's 4-, 5-, 6- and 8-bit blocks times 8-bit activations).
 
 They are compiled on first use with the machine's C compiler for the machine's own CPU
 (`-march=native`), into the weight cache under a key of the source, the flags and the CPU
