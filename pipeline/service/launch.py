@@ -83,10 +83,12 @@ def last_error(log_path: Path, since: int = 0) -> str:
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
-    """The supervisor stops its children in order on SIGTERM; SIGKILL only if it hangs."""
+    """Stop a pipeline the benchmarks or the tests started, at once: SIGINT, so the supervisor
+    stops its children in order without draining what is in flight (SIGTERM would wait up to
+    shutdown.drain_seconds); SIGKILL only if it hangs."""
     if proc.poll() is not None:
         return
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
