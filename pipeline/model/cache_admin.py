@@ -8,12 +8,12 @@ A damaged entry is rebuilt anyway by the next process that needs it (`store.inta
 
 from __future__ import annotations
 
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.model.sealed import SEAL, SUFFIX, directory_problem, file_problem
+from pipeline.model.store import is_digest
 
 
 def _files(root: Path) -> Iterator[tuple[Path, str | None]]:
@@ -22,7 +22,7 @@ def _files(root: Path) -> Iterator[tuple[Path, str | None]]:
         if not path.is_file() or path.name.endswith((SUFFIX, ".tmp")):
             continue
         if path.parent.name == "hashes":
-            ok = re.fullmatch(r"[0-9a-f]{64}", path.read_text(errors="replace").strip())
+            ok = is_digest(path.read_text(errors="replace").strip())
             yield path, None if ok else "not a SHA-256 digest (it is hashed again when next needed)"
         elif path.with_name(path.name + SUFFIX).exists():
             yield path, file_problem(path, trust_stamp=False)

@@ -11,10 +11,8 @@ config, tokenizer and embedding rows come from the front form (`store.load_front
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -28,20 +26,10 @@ from pipeline.model.fast_products import NativeProducts
 from pipeline.model.native import row_kernels
 from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, Parts, pack, read_file_blocks
 from pipeline.model.sealed import seal_directory, seal_file
-from pipeline.model.store import form_directory, intact, intact_file, load_front
+from pipeline.model.store import form_directory, intact, intact_file, load_front, publish
 
 FORMAT_VERSION = 5  # 3: Q8_0 values stored as q + 128; 4: K-quant and Q5 blocks, products in parts; 5: sealed
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
-
-
-def _publish(staging: Path, target: Path) -> None:
-    """Move a fully written staging path into place; a concurrent writer's copy is as good."""
-    with contextlib.suppress(OSError):  # a directory onto an existing one fails: the other copy stays
-        os.replace(staging, target)
-    if staging.is_dir():
-        shutil.rmtree(staging, ignore_errors=True)
-    elif staging.exists():
-        staging.unlink()
 
 
 def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -78,7 +66,7 @@ def load_native(path: Path) -> FastModel:
             np.save(staging / f"{key}.npy", np.ascontiguousarray(array))
         (staging / "manifest.json").write_text(json.dumps({**meta, "arrays": sorted(arrays)}))
         seal_directory(staging)
-        _publish(staging, directory)
+        publish(staging, directory)
     manifest = json.loads((directory / "manifest.json").read_text())
     arrays = {key: np.load(directory / f"{key}.npy", mmap_mode="r") for key in manifest["arrays"]}
 
@@ -148,7 +136,7 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
         fd, staging = tempfile.mkstemp(prefix=".pack-", suffix=".pt", dir=target.parent)
         os.close(fd)
         torch.save(flat, staging)
-        _publish(Path(staging), target)
+        publish(Path(staging), target)
         seal_file(target)
     flat = torch.load(target, mmap=True, weights_only=False)
     layers = flat["layers"]

@@ -61,7 +61,7 @@ def _hash_memo(path: Path) -> str:
     memo = memo_dir / key
     with contextlib.suppress(OSError):
         digest = memo.read_text().strip()
-        if re.fullmatch(r"[0-9a-f]{64}", digest):  # a damaged memo is hashed again, never trusted
+        if is_digest(digest):
             return digest
     digest = content_hash(path)
     memo_dir.mkdir(parents=True, exist_ok=True)
@@ -134,10 +134,20 @@ def intact_file(path: Path) -> bool:
     return False
 
 
-def _publish_directory(staging: Path, directory: Path) -> None:
-    with contextlib.suppress(OSError):  # another process got there first: its copy is as good
-        staging.rename(directory)
-    shutil.rmtree(staging, ignore_errors=True)
+def publish(staging: Path, target: Path) -> None:
+    """Move a fully written staging path (a directory or a file) into place; a concurrent writer's
+    copy is as good."""
+    with contextlib.suppress(OSError):  # a directory onto an existing one fails: the other copy stays
+        os.replace(staging, target)
+    if staging.is_dir():
+        shutil.rmtree(staging, ignore_errors=True)
+    elif staging.exists():
+        staging.unlink()
+
+
+def is_digest(text: str) -> bool:
+    """A content hash as the memo keeps it (a damaged memo is hashed again, never trusted)."""
+    return re.fullmatch(r"[0-9a-f]{64}", text) is not None
 
 
 class Front(NamedTuple):
@@ -153,7 +163,7 @@ def load_front(path: Path) -> Front:
     reference when it is prepared already, else from the front form, prepared now if need be."""
     path = Path(path)
     reference = cache_directory(path)
-    if reference.exists() and intact(reference):
+    if intact(reference):
         cfg, weights, tokenizer = _read(reference)
         return Front(cfg, weights["embed"], tokenizer)
     directory = form_directory(path, f"front-v{FORMAT_VERSION}")
@@ -167,7 +177,7 @@ def load_front(path: Path) -> Front:
         staging = Path(tempfile.mkdtemp(prefix=".front-", dir=directory.parent))
         try:
             _write(staging, cfg, {"embed": embed}, tokenizer)
-            _publish_directory(staging, directory)
+            publish(staging, directory)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     cfg, weights, tokenizer = _read(directory)
@@ -189,7 +199,7 @@ def load_prepared(path: Path) -> tuple[ModelConfig, PreparedWeights, Tokenizer]:
     staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=directory.parent))
     try:
         _write(staging, cfg, weights, tokenizer)
-        _publish_directory(staging, directory)
+        publish(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return _read(directory)

@@ -37,6 +37,9 @@ class Rotation(NamedTuple):
         return self.max_bytes * (self.backups + 1)
 
 
+DEFAULT_ROTATION = Rotation(max_bytes=32 * 2**20, backups=2)  # the [telemetry] settings' defaults
+
+
 class RotatingLines(io.TextIOBase):
     """A text stream that appends whole lines to `path`, rotated as the module says."""
 

@@ -43,7 +43,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pipeline import __version__
-from pipeline.observability.export_files import RotatingLines, Rotation, prune_departed
+from pipeline.observability.export_files import DEFAULT_ROTATION, RotatingLines, Rotation, prune_departed
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ SCOPE = "speclanes"
 PROPAGATOR = TraceContextTextMapPropagator()
 DEFAULT_QUEUE = 65536  # spans held for the batch thread before it would drop one
 DEFAULT_METRIC_INTERVAL_MS = 10_000  # the SDK's default (60 s) outlives most runs
-DEFAULT_ROTATION = Rotation(max_bytes=32 * 2**20, backups=2)  # config.TelemetrySection has the same
 
 
 class TelemetryError(ValueError):

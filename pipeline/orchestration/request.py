@@ -176,7 +176,7 @@ class RequestMachine:
         message = f"no answer to {KIND[type(pending)]} step {pending.step}; re-sending"
         return [Raise("timeout", "verify", message, self.id), *self._to_verify(pending, now)]
 
-    def cancel(self, now: float, reason: str = "cancelled") -> list[Effect]:  # or "server_shutdown"
+    def cancel(self, now: float, reason: str = "cancelled") -> list[Effect]:  # server_shutdown, storage_full
         return [] if self.done else self._finish(now, reason)
 
     # --- after an orchestrator restart ---------------------------------------------------

@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from pipeline.decoding.speculation import Speculation, SpeculationError
-from pipeline.observability.export_files import Rotation
+from pipeline.observability.export_files import DEFAULT_ROTATION, Rotation
 from pipeline.protocol import address
 
 LANES = ("orchestrator", "verify", "draft", "audit")
@@ -250,8 +250,8 @@ class TelemetrySection(Section):
     (see pipeline/observability/telemetry.py)."""
 
     dir: str = "{run_dir}/telemetry"
-    file_max_bytes: Annotated[int, Meta(ge=2**20)] = 32 * 2**20  # at least a batch line (~180 KB)
-    file_backups: Annotated[int, Meta(ge=0, le=100)] = 2
+    file_max_bytes: Annotated[int, Meta(ge=2**20)] = DEFAULT_ROTATION.max_bytes  # > a batch line (~180 KB)
+    file_backups: Annotated[int, Meta(ge=0, le=100)] = DEFAULT_ROTATION.backups
 
     def rotation(self) -> Rotation:
         return Rotation(self.file_max_bytes, self.file_backups)

@@ -58,9 +58,8 @@ MODULES = {
 
 
 UNREACHABLE_SECONDS = 5.0  # a drain stops waiting for an orchestrator silent this long
-DRAIN_CUT_EXIT = (
-    3  # `speclanes start`'s exit status after a drain that had to end requests (1: a lane failed)
-)
+# `speclanes start`'s exit status after a drain that had to end requests (1: a lane failed)
+DRAIN_CUT_EXIT = 3
 
 
 class Supervisor:
