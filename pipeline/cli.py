@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from pipeline import __version__
-from pipeline.decoding.drafters.registry import DRAFTERS
+from pipeline.decoding.drafters.kinds import DRAFTERS
 from pipeline.decoding.speculation import Speculation, SpeculationError
 
 DEFAULT_DRAFTER = Speculation().drafter  # one policy for `generate`, `stream` and the pipeline

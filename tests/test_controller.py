@@ -70,8 +70,8 @@ def test_neighbours_cap_the_rows_to_the_flat_part_of_the_curve():
 
 def test_a_sampling_drafter_is_asked_for_the_chain_that_pays():
     cheap, dear = controller(FLAT), controller(FLAT, draft_per_token=2.0)
-    assert cheap.budget(sampling_drafter=True) > dear.budget(sampling_drafter=True)
-    assert controller(FLAT).budget(sampling_drafter=False) == 16
+    assert cheap.budget("model") > dear.budget("model")
+    assert controller(FLAT).budget("ngram") == controller(FLAT).budget("auto") == 16
 
 
 @given(

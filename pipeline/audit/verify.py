@@ -32,7 +32,8 @@ tolerances (a q moved by less than 1e-4 + 0.1% of itself passes); drafted tokens
 (any draft is allowed: the rule makes the output exact whatever the drafter says); that
 the seed was not chosen for its outcome (the keyed-number check proves the u's were not edited
 after the fact, given the recorded seed). Which steps carry draft-model rows is read from
-the step's drafter name ("model" under sampling); any other drafter must have p(x) = 1.
+the step's drafter label under sampling: a kind that samples (`drafters.kinds.samples`, the
+`model` drafter today); any other drafter must have p(x) = 1.
 Round-off can, in rare cases, make an honest record fail: a token whose logit sits within
 round-off of the top-k or top-p cut-off is in the filtered row on one side and not on the
 other. Greedy near ties and draws at bucket edges are tolerated; that case is not.
@@ -48,6 +49,7 @@ import numpy as np
 from pipeline.audit.grammar import GrammarReplay, format_problem, replay_matcher
 from pipeline.decoding.acceptance import Decision, residual
 from pipeline.decoding.controls import chain_paths, shaped_logits, uses_context
+from pipeline.decoding.drafters.kinds import samples
 from pipeline.decoding.noise import ACCEPT, RESIDUAL, SAMPLE, uniform
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.sampling import SamplingParams, target_probs
@@ -217,8 +219,9 @@ def collect(request_id: str, events: Sequence[AuditEvent]) -> Record:
 
 
 def uses_draft_rows(step: StepEvent, params: SamplingParams) -> bool:
-    """Only the model drafter samples, and only when the request samples: then p is a row."""
-    return step.drafter == "model" and not params.greedy and bool(step.drafted)
+    """Only a sampling drafter's drafts (`kinds.samples`), and only when the request samples: then
+    p is a row."""
+    return samples(step.drafter) and not params.greedy and bool(step.drafted)
 
 
 def tree_structure_problems(step: StepEvent) -> list[str]:

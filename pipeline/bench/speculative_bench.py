@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate
 from pipeline.bench.flags import add_backend_flag, add_common_flags
+from pipeline.decoding.drafters.kinds import needs_draft_model, parts, samples
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
@@ -38,14 +39,18 @@ from pipeline.model.cpu import cpu_name, kernel_flags
 
 
 def identity_expected(name: str, params: SamplingParams, draft_model: Model | None) -> bool:
-    """Whether `name`'s output must equal plain decoding's token for token."""
-    name = name.removesuffix("/linear")
-    return params.greedy or name in ("none", "ngram", "suffix") or (name == "auto" and draft_model is None)
+    """Whether `name`'s output must equal plain decoding's token for token: under greedy, or when
+    none of the drafters it runs samples (sampled drafts draw the target's tokens differently)."""
+    drafting = parts(name.removesuffix("/linear"), draft_model=draft_model is not None)
+    return params.greedy or not any(samples(d) for d in drafting)
 
 
 def run_one(model: Model, prompt: list[int], params: SamplingParams, name: str, draft_model: Model | None):
     drafter, linear = name.removesuffix("/linear"), name.endswith("/linear")
-    source = make_draft_source(drafter, model, draft_model or model if drafter == "model" else draft_model)
+    # A drafter that needs a draft model drafts with the target itself when none is given.
+    source = make_draft_source(
+        drafter, model, draft_model or model if needs_draft_model(drafter) else draft_model
+    )
     return decode(model, prompt, params, source, k=0 if drafter == "none" else None, tree=not linear)
 
 

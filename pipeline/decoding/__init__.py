@@ -7,6 +7,9 @@
 - `session` (the accepted tokens' side), `target` (the KV cache and the verifier's random
   stream), `speculative` (the in-process step loop that joins them);
 - `output`: EOS, stop strings, max tokens; `result`: the typed final `Result`;
-- `drafters/`: one proposer per file (ngram, suffix, model, composite); `registry` names them.
-A new drafter is a file in `drafters/` plus one line in `drafters/registry.py`.
+- `drafters/`: one proposer per file (ngram, suffix, model, composite). `kinds` declares what each
+  drafter is: whether it samples, and whether it needs the target's features or a draft model.
+  Code asks `kinds` about a drafter and never compares its name. `registry` builds the drafters.
+A new drafter is a file in `drafters/` plus its line in `drafters/kinds.py` and its factory in
+`drafters/registry.py`.
 """

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.decoding.drafters.kinds import samples
 from pipeline.decoding.tree import chain, depths
 
 K_LIMIT = 32
@@ -171,14 +172,15 @@ class Controller:
     _plain_steps: int = 0
     _probe_after: int = 4
 
-    def budget(self, sampling_drafter: bool) -> int:
-        """How many nodes to ask the drafter for: all it may give when drafting is free (the cut
-        decides), the chain length that pays when each draft costs a forward."""
+    def budget(self, drafter: str) -> int:
+        """How many nodes to ask `drafter` for. A free drafter gets all it may give, and the cut
+        decides. A sampling drafter (`kinds.samples`) gets the chain length that pays, because each
+        of its drafts costs a forward. Its chains carry its own name, so its calibration is used."""
         if self.fixed is not None:
             return self.fixed
-        if not sampling_drafter:
+        if not samples(drafter):
             return self.k_max
-        probs = node_probabilities(chain(self.k_max), [1.0] * self.k_max, self.depths("model"))
+        probs = node_probabilities(chain(self.k_max), [1.0] * self.k_max, self.depths(drafter))
         best = self._best_count(probs, per_node=self.draft_per_token)
         return best or self._probe(best)
 

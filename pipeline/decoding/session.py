@@ -98,7 +98,6 @@ class Session:
         self.controller = Controller(fixed=fixed, k_max=max(speculation.k_max, fixed or 1))
         self.stats = Stats(self.controller.k_max)
         self.tree, self.drafter = speculation.tree, speculation.drafter
-        self.sampling_drafter = speculation.drafter == "model"
         self.out = OutputStream(tokenizer, params)
         self.params, self.context_length = params, context_length
         self.max_iterations = speculation.max_iterations
@@ -130,7 +129,7 @@ class Session:
         if room < 0:
             self._ending = "length"
             return None
-        budget = self.controller.budget(self.sampling_drafter)
+        budget = self.controller.budget(self.drafter)
         return max(0, min(budget, room, self.params.max_tokens - len(self.out.tokens) - 1))
 
     def floor(self) -> float:

@@ -12,7 +12,7 @@ from typing import Literal
 import msgspec
 
 from pipeline.decoding.adaptive import K_LIMIT
-from pipeline.decoding.drafters.registry import DRAFTERS
+from pipeline.decoding.drafters.kinds import DRAFTERS
 
 
 class SpeculationError(ValueError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.decoding.controls import vocabulary_problem
+from pipeline.decoding.drafters.kinds import needs_draft_model
 from pipeline.decoding.grammar.format import ResponseFormatError
 from pipeline.decoding.sampling import request_seed
 from pipeline.decoding.session import PromptError, check_prompt
@@ -96,9 +97,10 @@ def admit(
         speculation = defaults.overridden(drafter=msg.drafter, k=msg.k, max_iterations=msg.max_iterations)
     except SpeculationError as exc:
         return ErrorReply(kind="bad_request", message=str(exc))
-    if speculation.drafter == "model" and not has_draft_model:
+    if needs_draft_model(speculation.drafter) and not has_draft_model:
         return ErrorReply(
-            kind="bad_request", message="the model drafter needs model.draft_path in the configuration"
+            kind="bad_request",
+            message=f"the {speculation.drafter} drafter needs model.draft_path in the configuration",
         )
     try:
         tokens = request_tokens(msg, tokenizer)

@@ -1,50 +1,86 @@
-"""Drafter names as the CLI and configuration spell them."""
+"""How each drafter kind (`kinds.py`) is built: one factory per name, from the same table.
+
+A factory reads `Inputs`: the target, which is a Runtime, or a Front where only its vocabulary
+is read, and the optional draft model. A drafter that needs more (its own weights, say) adds a
+field to `Inputs`, and the other factories stay as they are. A composite kind has no factory. It
+is built from its members' sources. Both entry points build through `_build`, so there is only
+one map from names to sources. `make_draft_source` builds one source for a request;
+`make_draft_sources` builds every source that a long-lived draft lane serves. Within one call,
+each name is built at most once. So the sources that a lane serves share their parts. For
+example, `auto`'s suffix source is the lane's `suffix` source, so all requests update one
+cross-request table.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from pipeline.decoding.drafters import DraftSource, NoDraftSource
 from pipeline.decoding.drafters.composite import CompositeSource
+from pipeline.decoding.drafters.kinds import DRAFTERS, KINDS, kind, parts
 from pipeline.decoding.drafters.model import ModelSource
 from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.model import Runtime
 from pipeline.model.store import Front
 
-DRAFTERS = ("none", "ngram", "suffix", "model", "auto")
+__all__ = ["DRAFTERS", "FACTORIES", "Inputs", "make_draft_source", "make_draft_sources"]
 
 
-def make_draft_source(name: str, target: Runtime, draft_model: Runtime | None = None) -> DraftSource:
-    """`auto` chains the free drafters (n-gram, then the cross-request cache), then the model if given."""
-    if name == "none":
-        return NoDraftSource()
-    if name == "ngram":
-        return NgramSource()
-    if name == "suffix":
-        return SuffixSource()
-    if name == "model":
-        if draft_model is None:
-            raise ValueError("--drafter model needs --draft-model PATH")
-        return ModelSource(draft_model, target)
-    if name == "auto":
-        sources: list[DraftSource] = [NgramSource(), SuffixSource()]
-        if draft_model is not None:
-            sources.append(ModelSource(draft_model, target))
-        return CompositeSource(sources)
-    raise ValueError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})")
+@dataclass(frozen=True)
+class Inputs:
+    target: Runtime | Front
+    draft_model: Runtime | None = None
+
+
+Factory = Callable[[Inputs], DraftSource]
+
+
+def _model(inputs: Inputs) -> DraftSource:
+    assert inputs.draft_model is not None  # `_build` refuses a kind that needs one without it
+    return ModelSource(inputs.draft_model, inputs.target)
+
+
+# Every kind in `kinds.KINDS` that is not a composite, and no other name.
+FACTORIES: dict[str, Factory] = {
+    "none": lambda inputs: NoDraftSource(),
+    "ngram": lambda inputs: NgramSource(),
+    "suffix": lambda inputs: SuffixSource(),
+    "model": _model,
+}
+
+
+def _build(name: str, inputs: Inputs, built: dict[str, DraftSource]) -> DraftSource:
+    """`name`'s source, taken from `built` when this call has already made it."""
+    if name in built:
+        return built[name]
+    declared = kind(name)  # an unknown name: a ValueError that lists the choices
+    if declared.needs_draft_model and inputs.draft_model is None:
+        raise ValueError(f"--drafter {name} needs --draft-model PATH")
+    if declared.members:
+        members = parts(name, draft_model=inputs.draft_model is not None)
+        source: DraftSource = CompositeSource([_build(m, inputs, built) for m in members], name)
+    else:
+        source = FACTORIES[name](inputs)
+    built[name] = source
+    return source
+
+
+def make_draft_source(name: str, target: Runtime | Front, draft_model: Runtime | None = None) -> DraftSource:
+    """A request's source. `auto` tries the n-gram drafter, then the cross-request suffix cache, then
+    the draft model when there is one."""
+    return _build(name, Inputs(target, draft_model), {})
 
 
 def make_draft_sources(target: Runtime | Front, draft_model: Runtime | None = None) -> dict[str, DraftSource]:
-    """Every drafter a long-lived draft lane serves, sharing one cross-request suffix table. Of the
-    target only its vocabulary is read (a draft model must share it): its front will do."""
-    suffix = SuffixSource()
-    free: list[DraftSource] = [NgramSource(), suffix]
-    model = [ModelSource(draft_model, target)] if draft_model is not None else []
-    sources: dict[str, DraftSource] = {
-        "none": NoDraftSource(),
-        "ngram": free[0],
-        "suffix": suffix,
-        "auto": CompositeSource([*free, *model]),
+    """Every drafter a long-lived draft lane serves, in table order. The sources share their parts, so
+    there is one suffix table. A lane leaves out a kind that needs a draft model when there is none.
+    It also leaves out a kind that needs the target's hidden states, because the lane has none."""
+    inputs = Inputs(target, draft_model)
+    built: dict[str, DraftSource] = {}
+    return {
+        name: _build(name, inputs, built)
+        for name, declared in KINDS.items()
+        if not declared.needs_features and (draft_model is not None or not declared.needs_draft_model)
     }
-    if model:
-        sources["model"] = model[0]
-    return sources

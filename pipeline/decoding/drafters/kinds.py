@@ -1,0 +1,86 @@
+"""What each drafter is: the one table of drafter kinds, as declarations.
+
+Code that depends on a drafter's nature asks this table instead of comparing its name with a
+string. The session asks a sampling drafter for the chain that pays (`Controller.budget`); the
+orchestrator and the audit read which steps carry the draft rows p(x) that the acceptance rule
+used (`samples`); admission refuses a drafter whose draft model is not configured
+(`needs_draft_model`); the draft lane leaves out drafters that read the target's hidden states
+(`needs_features`), which it does not have.
+
+How each kind is built lives in `registry.py`, keyed by the same names. This module is kept apart
+and imports nothing, so the session, the cost model and the audit can read it without loading
+drafter code or model runtimes (a drafter that needs features may import the decoding loop,
+which imports the session). A new drafter is a file in this package, one `DrafterKind` line here
+and its factory line in `registry.py`; `tests/test_drafter_registry.py` checks that both cover
+the same names.
+
+The queries (`samples`, `needs_features`, `needs_draft_model`) accept any label, not only a
+kind's name: a step's drafter label can be one that no kind declares (the grammar drafter's
+"grammar", "" for a plain step), and such a label declares nothing. `kind` is the strict lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    # Draws its drafts from rows p and sends them along, so the rule keeps a draft with probability
+    # min(1, q/p) and the audit recomputes p. The others are deterministic: p(x) = 1.
+    samples: bool = False
+    needs_features: bool = False  # reads the target's hidden states: it runs next to the target
+    needs_draft_model: bool = False  # drafts with a smaller model (`model.draft_path`, `--draft-model`)
+    # A composite: these kinds tried in order, cheapest first. A member that needs a draft model is
+    # left out when none is given. A composite's own label marks only its merged trees, which come
+    # from its deterministic members; a member's chain keeps that member's label.
+    members: tuple[str, ...] = ()
+
+
+KINDS: dict[str, DrafterKind] = {
+    kind.name: kind
+    for kind in (
+        DrafterKind("none"),
+        DrafterKind("ngram"),
+        DrafterKind("suffix"),
+        DrafterKind("model", samples=True, needs_draft_model=True),
+        DrafterKind("auto", members=("ngram", "suffix", "model")),
+    )
+}
+DRAFTERS = tuple(KINDS)  # the names, in table order, as the CLI and the configuration spell them
+
+
+def kind(name: str) -> DrafterKind:
+    """`name`'s declaration. Any other name raises a ValueError that lists the choices."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})") from None
+
+
+def samples(name: str) -> bool:
+    """Whether drafts labelled `name` were sampled, with rows p sent along (see `DrafterKind`)."""
+    declared = KINDS.get(name)
+    return declared is not None and declared.samples
+
+
+def needs_features(name: str) -> bool:
+    """Whether `name` reads the target's hidden states (it cannot run in a separate draft lane)."""
+    declared = KINDS.get(name)
+    return declared is not None and declared.needs_features
+
+
+def needs_draft_model(name: str) -> bool:
+    """Whether `name` cannot draft without a draft model."""
+    declared = KINDS.get(name)
+    return declared is not None and declared.needs_draft_model
+
+
+def parts(name: str, *, draft_model: bool) -> tuple[str, ...]:
+    """The kinds that draft when `name` is asked for: the kind itself, or a composite's members
+    without those that need a draft model when there is none (`draft_model` says whether there is)."""
+    members = kind(name).members
+    if not members:
+        return (name,)
+    return tuple(m for m in members if draft_model or not needs_draft_model(m))
