@@ -225,6 +225,9 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     add_audit_parser(sub, _add_config_flags)
     _add_certs_command(sub)
     _add_cache_command(sub)
+    from pipeline.training.cli import add_parser as add_drafter_parser
+
+    add_drafter_parser(sub)
     trace = sub.add_parser("trace", help="read the telemetry file export: list traces, or show one as a tree")
     _add_config_flags(trace)
     trace.add_argument(
@@ -601,6 +604,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 1 if damaged else 0
 
 
+def cmd_drafter(args: argparse.Namespace) -> int:
+    from pipeline.training import cli as training_cli
+
+    return training_cli.main(args)
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from pipeline.audit import cli as audit_cli
 
@@ -625,6 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "certs": cmd_certs,
         "trace": cmd_trace,
         "cache": cmd_cache,
+        "drafter": cmd_drafter,
     }
     try:
         return handlers[args.command](args)

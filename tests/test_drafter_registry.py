@@ -18,6 +18,7 @@ from pipeline.decoding.drafters.kinds import (
     kind,
     needs_draft_model,
     needs_features,
+    needs_head,
     parts,
     samples,
 )
@@ -25,7 +26,9 @@ from pipeline.decoding.drafters.registry import FACTORIES, make_draft_source, ma
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation, SpeculationError
 from pipeline.model import Model
+from pipeline.model.draft_head import DraftHead
 
+from .tinyhead import tiny_head
 from .tinymodel import TinySpec, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,18 +38,20 @@ TODAY = {
     "none": (False, False, False),
     "ngram": (False, False, False),
     "suffix": (False, False, False),
+    "learned": (False, True, False),
     "model": (True, False, True),
     "auto": (False, False, False),
 }
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Model, Model]:
-    """A tiny target and a draft model with the same vocabulary."""
+def models(tmp_path_factory) -> tuple[Model, Model, DraftHead]:
+    """A tiny target, a draft model with the same vocabulary and a draft head trained for the target."""
     root = tmp_path_factory.mktemp("registry")
     write_tiny_gguf(root / "target.gguf", TinySpec(seed=21, scale=1.2))
     write_tiny_gguf(root / "draft.gguf", TinySpec(seed=21, scale=0.8))
-    return Model.load(root / "target.gguf"), Model.load(root / "draft.gguf")
+    target = Model.load(root / "target.gguf")
+    return target, Model.load(root / "draft.gguf"), tiny_head(target, root / "target.gguf", root)
 
 
 # --- the table and its factories --------------------------------------------------------------
@@ -64,8 +69,8 @@ def test_the_factories_cover_the_table_names():
 
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_every_name_builds_a_source_that_drafts(models, name):
-    target, draft = models
-    source = make_draft_source(name, target, draft)
+    target, draft, head = models
+    source = make_draft_source(name, target, draft, head)
     assert source.name == name
     prompt = [40, 41, 42, 43] * 3
     drafter = source.start(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=8), 3)
@@ -80,8 +85,14 @@ def test_a_kind_that_needs_a_draft_model_refuses_to_build_without_one(models, na
         make_draft_source(name, models[0])
 
 
+@pytest.mark.parametrize("name", [n for n in DRAFTERS if needs_head(n)])
+def test_a_kind_that_needs_a_head_refuses_to_build_without_one(models, name):
+    with pytest.raises(ValueError, match=f"--drafter {name} needs a draft head trained for this model"):
+        make_draft_source(name, models[0])
+
+
 def test_auto_chains_the_free_drafters_then_the_model_when_given(models):
-    target, draft = models
+    target, draft, head = models
     without = make_draft_source("auto", target)
     assert isinstance(without, CompositeSource)
     assert [s.name for s in without.sources] == ["ngram", "suffix"]
@@ -91,13 +102,17 @@ def test_auto_chains_the_free_drafters_then_the_model_when_given(models):
     assert parts("auto", draft_model=False) == ("ngram", "suffix")
     assert parts("auto", draft_model=True) == ("ngram", "suffix", "model")
     assert parts("model", draft_model=False) == ("model",)
+    with_head = make_draft_source("auto", target, None, head)
+    assert isinstance(with_head, CompositeSource) and with_head.needs_features
+    assert [s.name for s in with_head.sources] == ["ngram", "suffix", "learned"]
+    assert parts("auto", draft_model=True, head=True) == ("ngram", "suffix", "learned", "model")
 
 
 def test_a_lane_serves_every_drafter_it_can_and_shares_their_parts(models):
-    target, draft = models
+    target, draft, _ = models
     assert list(make_draft_sources(target)) == ["none", "ngram", "suffix", "auto"]
     sources = make_draft_sources(target, draft)
-    assert list(sources) == list(DRAFTERS)
+    assert list(sources) == [n for n in DRAFTERS if not needs_features(n)]
     auto = sources["auto"]
     assert isinstance(auto, CompositeSource)
     # One cross-request suffix table, one draft model source: the same objects as the named ones.
@@ -111,7 +126,7 @@ def test_a_lane_serves_every_drafter_it_can_and_shares_their_parts(models):
 def test_a_lane_leaves_out_a_drafter_that_needs_the_target_features(models, monkeypatch):
     """A draft lane sees tokens only. A kind that reads the target's hidden states is built for a
     request, which runs in-process next to the target, and is not served by a lane."""
-    target, _ = models
+    target = models[0]
     monkeypatch.setitem(kinds.KINDS, "featured", DrafterKind("featured", needs_features=True))
     monkeypatch.setitem(registry.FACTORIES, "featured", registry.FACTORIES["ngram"])
     assert needs_features("featured")

@@ -425,6 +425,10 @@ class Spy:
         self.forwards.extend(list(item[1]) for item in batch)
         return self.model.forward_batch(batch, **kwargs)
 
+    def forward_features(self, batch, **kwargs):
+        self.forwards.extend(list(item[1]) for item in batch)
+        return self.model.forward_features(batch, **kwargs)
+
 
 class OracleSource:
     """Proposes the true next token, then a forbidden one, then true tokens again."""

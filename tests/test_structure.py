@@ -16,7 +16,7 @@ LAYERS = [
     ("pipeline.decoding",),
     ("pipeline.protocol",),
     ("pipeline.workers", "pipeline.orchestration", "pipeline.audit", "pipeline.api", "pipeline.service"),
-    ("pipeline.bench",),
+    ("pipeline.bench", "pipeline.training"),
     ("pipeline.cli",),
     ("lanes",),
 ]

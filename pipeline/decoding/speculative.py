@@ -10,6 +10,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from pipeline.decoding.acceptance import Verdict
 from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, Proposal
@@ -48,14 +50,14 @@ def decode(
         k="auto" if k is None else k, k_max=k_max, max_iterations=max_iterations, tree=tree
     )
     check_prompt(prompt_tokens, model.cfg.context_length)
-    if (problem := vocabulary_problem(params, model.cfg.vocab_size)) is not None:
-        raise ValueError(problem)
-    assert model.tokenizer is not None
+    if (problem := vocabulary_problem(params, model.cfg.vocab_size)) is not None or model.tokenizer is None:
+        raise ValueError(problem or "the model has no tokenizer")
     seed = request_seed(params.seed)
     session = Session(model.tokenizer, model.cfg.context_length, prompt_tokens, params, speculation)
     if speculation.fixed_k is None:
         session.controller.costs.calibrate(row_seconds(model))
-    target = TargetState(model, params, seed, capacity=session.capacity())
+    features = getattr(source, "needs_features", False)  # a learned drafter reads the target's features
+    target = TargetState(model, params, seed, capacity=session.capacity(), keep_features=features)
     drafter = GuardedDrafter(forced_first(source.start(prompt_tokens, params, seed), target.grammar))
     emit = on_text or (lambda _text: None)
 
@@ -65,6 +67,7 @@ def decode(
     prefill_seconds = time.perf_counter() - start
     observe = on_step or (lambda *_: None)
     observe(0, EMPTY, Verdict([first], 0, [], u), target.draws)
+    drafter.observe(target.features_at, target.features)
     emit(session.start(first, target.logprobs))
     while (want := session.plan()) is not None:
         context = session.context
@@ -78,6 +81,7 @@ def decode(
         verdict = target.step(context[-1], draft)
         emit(session.record_draft(draft, verdict, draft_seconds, time.perf_counter() - t0, target.logprobs))
         observe(want, draft, verdict, target.draws)
+        drafter.observe(target.features_at, target.features)
         drafter.accept(session.context)
     emit(session.finish_text())
 
@@ -110,6 +114,11 @@ class GuardedDrafter:
 
     def accept(self, context: list[int]) -> None:
         self._call("accept", context)
+
+    def observe(self, position: int, features: np.ndarray | None) -> None:
+        """The target's features from `position` on, for a drafter that reads them (`drafters.observe`)."""
+        if features is not None and hasattr(self.drafter, "observe"):
+            self._call("observe", position, features)
 
     def finish(self, context: list[int]) -> None:
         self._call("finish", context)

@@ -31,7 +31,7 @@ class TargetState:
 
     def __init__(
         self, model: Runtime, params: SamplingParams, seed: int, *, draws: int = 0, capacity: int,
-        prompt_length: int | None = None,
+        prompt_length: int | None = None, keep_features: bool = False,
     ) -> None:  # fmt: skip
         self.model, self.params, self.seed, self.draws = model, params, seed, draws
         self.cache = model.new_cache(capacity=capacity)
@@ -40,12 +40,25 @@ class TargetState:
         # Structured output: the grammar's masks on every row this state samples from (`grammar.rows`).
         self.grammar = constraint_for(model, params.response_format)
         self.logprobs: list[TokenLogprobs] = []
+        # A learned drafter's input: the features of the positions the last prefill or step kept.
+        self.keep_features = keep_features
+        self.features: np.ndarray | None = None
+        self.features_at = 0  # the position of features[0]
 
     def prefill(self, tokens: Sequence[int], *, sample: bool = True) -> tuple[int | None, float | None]:
         """Feed `tokens`; sample the next token from the last position if asked."""
-        logits = self.model.forward(self.cache, tokens, all_logits=False)
+        start = self.cache.length
+        logits, features = self.model.forward_features(
+            [(self.cache, tokens)], all_logits=False, features=self.keep_features
+        )
+        self.keep(start, features[0] if features else None)
         self.prefilled(tokens)
-        return self.first_token(logits[0]) if sample else (None, None)
+        return self.first_token(logits[0][-1]) if sample else (None, None)
+
+    def keep(self, position: int, features: np.ndarray | None) -> None:
+        """Hold the features of positions [position, ...) for the drafter, when it reads them."""
+        if self.keep_features and features is not None:
+            self.features, self.features_at = features, position
 
     def prefilled(self, tokens: Sequence[int]) -> None:
         """The cache now holds `tokens` (a caller that feeds a prompt in chunks says so once it is in)."""
@@ -119,16 +132,20 @@ class TargetState:
         """One verify step on its own: the forward over [pending, *draft] (a chain or a tree), then
         `conclude` (the verify lane batches forwards and calls `conclude` itself)."""
         parents = None if draft.parents is None else rows_parents(draft.parents)
-        logits = self.model.forward_batch([(self.cache, [pending, *draft.tokens], parents)])[0]
-        return self.conclude(logits, draft.tokens, draft.probs, draft.parents, pending=pending)
+        batch = [(self.cache, [pending, *draft.tokens], parents)]
+        logits, features = self.model.forward_features(batch, features=self.keep_features)
+        return self.conclude(
+            logits[0], draft.tokens, draft.probs, draft.parents, pending=pending,
+            features=features[0] if features else None,
+        )  # fmt: skip
 
     def conclude(
         self, logits: np.ndarray, drafts: list[int], draft_probs: np.ndarray | None,
-        parents: list[int] | None = None, *, pending: int,
+        parents: list[int] | None = None, *, pending: int, features: np.ndarray | None = None,
     ) -> Verdict:  # fmt: skip
         """Apply the acceptance rule to a forward over [pending, *drafts] (a chain, or the token
         tree whose node i continues node parents[i], run as `tree.rows_parents(parents)`) and keep
-        only the accepted tokens' K/V."""
+        only the accepted tokens' K/V (and, given the forward's `features`, the kept rows' features)."""
         start = self.cache.length - len(drafts)  # the position row 0 decides: right after `pending`
         if self.grammar is not None:
             logits, draft_probs = self.grammar.constrain(logits, drafts, draft_probs, parents)
@@ -143,6 +160,8 @@ class TargetState:
             kept = [0, *(node + 1 for node in verdict.path)]
             kept_paths = [paths[row] for row in kept]
             self.logprobs = self.logprobs_of(logits[kept], [pending], kept_paths, verdict.tokens)
+        if features is not None:
+            self.keep(start - 1, features[[0, *(node + 1 for node in verdict.path)]])
         if parents is None:
             self.cache.truncate(start + verdict.accepted)
         else:

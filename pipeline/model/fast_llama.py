@@ -96,24 +96,40 @@ class FastModel:
     def forward_batch(self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True) -> list[np.ndarray]:
         """One step for several sequences, each (cache, tokens) or a token tree (cache, tokens,
         parents: `llama.batch_parents`): (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
+        return self.forward_features(batch, all_logits=all_logits, features=False)[0]
+
+    def forward_features(
+        self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True, features: bool = True,
+        inputs: np.ndarray | None = None,
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
+        """`forward_batch`'s logits, and every row's feature: the final norm's output, which the LM
+        head reads and a learned drafter takes as input (none unless `features`). `inputs`: the rows
+        the layers start from in place of the tokens' embeddings (a draft head's own input rows).
+        A feature is computed per row like everything else here, so it is row-invariant too."""
         cfg, lib, eps = self.cfg, self.lib, self.cfg.rms_eps
         ids = validate_batch(cfg, batch)
         seqs = [(item[0], shape) for item, shape in zip(batch, batch_parents(batch, ids), strict=True)]
         spans = np.cumsum([0, *(t.size for t in ids)])
-        x = np.ascontiguousarray(self.embed[np.concatenate(ids)], dtype=np.float32)
+        if inputs is None:
+            x = np.ascontiguousarray(self.embed[np.concatenate(ids)], dtype=np.float32)
+        else:
+            x = np.array(inputs, np.float32, order="C")
         if self.c_layers is not None:
             self.forward_layers_native(x, seqs, spans)
         else:
             self.forward_layers(x, seqs, spans)
         for (cache, _), t in zip(seqs, ids, strict=True):
             cache.length += t.size
-        hidden = x if all_logits else np.ascontiguousarray(x[spans[1:] - 1])
+        every = features or all_logits
+        hidden = x if every else np.ascontiguousarray(x[spans[1:] - 1])
         normed = np.empty_like(hidden)
         norm = self.out_norm.ctypes.data
         lib.rms_norm_f32(hidden.ctypes.data, len(hidden), cfg.d_model, norm, eps, normed.ctypes.data)
-        logits = self.head_products.apply(self.head_products.prepare(normed), self.head)
+        read = normed if all_logits or not every else np.ascontiguousarray(normed[spans[1:] - 1])
+        logits = self.head_products.apply(self.head_products.prepare(read), self.head)
         cuts = spans if all_logits else np.arange(len(batch) + 1)
-        return [logits[cuts[i] : cuts[i + 1]] for i in range(len(batch))]
+        found = [normed[spans[i] : spans[i + 1]] for i in range(len(batch))] if features else []
+        return [logits[cuts[i] : cuts[i + 1]] for i in range(len(batch))], found
 
     def forward_layers(self, x: np.ndarray, batch: Sequence[tuple[RowCache, Any]], spans: np.ndarray) -> None:
         """Every layer over x in place, one Python call per kernel (the torch products' path; the

@@ -209,7 +209,8 @@ class Model:
             for i in range(cfg.n_layers)
         ]
         self.tokenizer = tokenizer
-        self.head = self.w.get("head", self.w["embed"])
+        self.embed = self.w["embed"]
+        self.head = self.w.get("head", self.embed)
         self.rope = Rope.build(cfg, self.w.get("rope_freqs"))
         # What one decode step reads: every matrix once, the embedding only as the tied head.
         self.step_bytes = sum(int(a.nbytes) for name, a in weights.items() if name != "embed") + (
@@ -234,6 +235,13 @@ class Model:
     def forward_batch(self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True) -> list[np.ndarray]:
         """One step for several sequences, each (cache, tokens) or a token tree (cache, tokens,
         parents): (T_i, vocab) logits each, or (1, vocab) if not all_logits."""
+        return self.forward_features(batch, all_logits=all_logits, features=False)[0]
+
+    def forward_features(
+        self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True, features: bool = True
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """`forward_batch`'s logits, and every row's final-norm output when `features` (as the fast
+        runtime's `forward_features`)."""
         cfg = self.cfg
         ids = validate_batch(cfg, batch)
         shapes = batch_parents(batch, ids)
@@ -268,12 +276,14 @@ class Model:
             x += linear(silu(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], lw["wdown"])
         for cache, t in zip(caches, ids, strict=True):
             cache.length += t.size
+        every = rms_normalize(x, eps) * self.w["out_norm"] if features else None
         rows = np.arange(x.shape[0]) if all_logits else spans[1:] - 1
-        hidden = rms_normalize(x[rows], eps) * self.w["out_norm"]
+        hidden = every[rows] if every is not None else rms_normalize(x[rows], eps) * self.w["out_norm"]
         logits = linear_t(hidden, self.head)
+        found = [] if every is None else [every[spans[i] : spans[i + 1]] for i in range(len(batch))]
         if all_logits:
-            return [logits[spans[i] : spans[i + 1]] for i in range(len(batch))]
-        return [logits[i : i + 1] for i in range(len(batch))]
+            return [logits[spans[i] : spans[i + 1]] for i in range(len(batch))], found
+        return [logits[i : i + 1] for i in range(len(batch))], found
 
     def _attend(
         self, cache: KVCache, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None

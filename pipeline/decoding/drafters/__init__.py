@@ -67,6 +67,14 @@ class Drafter(Protocol):
         """The request is over; `context` is its prompt and output."""
 
 
+def observe(drafter: object, position: int, features: np.ndarray) -> None:
+    """Hand the target's features at positions [position, ...) to a drafter that reads them (one with
+    an `observe` method: a learned drafter, or a wrapper around one); others need nothing."""
+    method = getattr(drafter, "observe", None)
+    if method is not None:
+        method(position, features)
+
+
 class DraftSource(Protocol):
     name: str
 

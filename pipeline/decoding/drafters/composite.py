@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.decoding.drafters import EMPTY, Candidates, Drafter, DraftSource, Proposal, tree_proposal
+import numpy as np
+
+from pipeline.decoding.drafters import (
+    EMPTY,
+    Candidates,
+    Drafter,
+    DraftSource,
+    Proposal,
+    observe,
+    tree_proposal,
+)
 from pipeline.decoding.sampling import SamplingParams
 
 LATER_SHARE = 0.25  # the least weight a later drafter's candidates keep under a confident earlier one
@@ -51,6 +61,10 @@ class CompositeDrafter:
         for drafter in self.drafters:
             drafter.accept(context)
 
+    def observe(self, position: int, features: np.ndarray) -> None:
+        for drafter in self.drafters:
+            observe(drafter, position, features)
+
     def finish(self, context: Sequence[int]) -> None:
         for drafter in self.drafters:
             drafter.finish(context)
@@ -59,6 +73,7 @@ class CompositeDrafter:
 class CompositeSource:
     def __init__(self, sources: list[DraftSource], name: str = "auto") -> None:
         self.sources, self.name = sources, name
+        self.needs_features = any(getattr(s, "needs_features", False) for s in sources)
 
     def start(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> CompositeDrafter:
         return CompositeDrafter(self.name, [s.start(prompt, params, seed) for s in self.sources])

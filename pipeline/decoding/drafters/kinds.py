@@ -32,6 +32,7 @@ class DrafterKind:
     samples: bool = False
     needs_features: bool = False  # reads the target's hidden states: it runs next to the target
     needs_draft_model: bool = False  # drafts with a smaller model (`model.draft_path`, `--draft-model`)
+    needs_head: bool = False  # drafts with a trained head (`model.draft_head`; `drafter train`)
     # A composite: these kinds tried in order, cheapest first. A member that needs a draft model is
     # left out when none is given. A composite's own label marks only its merged trees, which come
     # from its deterministic members; a member's chain keeps that member's label.
@@ -44,8 +45,9 @@ KINDS: dict[str, DrafterKind] = {
         DrafterKind("none"),
         DrafterKind("ngram"),
         DrafterKind("suffix"),
+        DrafterKind("learned", needs_features=True, needs_head=True),
         DrafterKind("model", samples=True, needs_draft_model=True),
-        DrafterKind("auto", members=("ngram", "suffix", "model")),
+        DrafterKind("auto", members=("ngram", "suffix", "learned", "model")),
     )
 }
 DRAFTERS = tuple(KINDS)  # the names, in table order, as the CLI and the configuration spell them
@@ -77,10 +79,19 @@ def needs_draft_model(name: str) -> bool:
     return declared is not None and declared.needs_draft_model
 
 
-def parts(name: str, *, draft_model: bool) -> tuple[str, ...]:
+def needs_head(name: str) -> bool:
+    """Whether `name` cannot draft without a trained draft head."""
+    declared = KINDS.get(name)
+    return declared is not None and declared.needs_head
+
+
+def parts(name: str, *, draft_model: bool, head: bool = False) -> tuple[str, ...]:
     """The kinds that draft when `name` is asked for: the kind itself, or a composite's members
-    without those that need a draft model when there is none (`draft_model` says whether there is)."""
+    without those that need a draft model or a head when there is none (`draft_model` and `head`
+    say whether there is)."""
     members = kind(name).members
     if not members:
         return (name,)
-    return tuple(m for m in members if draft_model or not needs_draft_model(m))
+    return tuple(
+        m for m in members if (draft_model or not needs_draft_model(m)) and (head or not needs_head(m))
+    )

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pipeline.decoding.drafters import DraftSource, NoDraftSource
 from pipeline.decoding.drafters.composite import CompositeSource
 from pipeline.decoding.drafters.kinds import DRAFTERS, KINDS, kind, parts
+from pipeline.decoding.drafters.learned import LearnedSource
 from pipeline.decoding.drafters.model import ModelSource
 from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.model import Runtime
+from pipeline.model.draft_head import DraftHead
 from pipeline.model.store import Front
 
 __all__ = ["DRAFTERS", "FACTORIES", "Inputs", "make_draft_source", "make_draft_sources"]
@@ -32,6 +34,7 @@ __all__ = ["DRAFTERS", "FACTORIES", "Inputs", "make_draft_source", "make_draft_s
 class Inputs:
     target: Runtime | Front
     draft_model: Runtime | None = None
+    draft_head: DraftHead | None = None
 
 
 Factory = Callable[[Inputs], DraftSource]
@@ -42,11 +45,17 @@ def _model(inputs: Inputs) -> DraftSource:
     return ModelSource(inputs.draft_model, inputs.target)
 
 
+def _learned(inputs: Inputs) -> DraftSource:
+    assert inputs.draft_head is not None  # `_build` refuses a kind that needs one without it
+    return LearnedSource(inputs.draft_head)
+
+
 # Every kind in `kinds.KINDS` that is not a composite, and no other name.
 FACTORIES: dict[str, Factory] = {
     "none": lambda inputs: NoDraftSource(),
     "ngram": lambda inputs: NgramSource(),
     "suffix": lambda inputs: SuffixSource(),
+    "learned": _learned,
     "model": _model,
 }
 
@@ -58,8 +67,13 @@ def _build(name: str, inputs: Inputs, built: dict[str, DraftSource]) -> DraftSou
     declared = kind(name)  # an unknown name: a ValueError that lists the choices
     if declared.needs_draft_model and inputs.draft_model is None:
         raise ValueError(f"--drafter {name} needs --draft-model PATH")
+    if declared.needs_head and inputs.draft_head is None:
+        raise ValueError(
+            f"--drafter {name} needs a draft head trained for this model: run `speclanes drafter train`, "
+            "or name one with --draft-head PATH"
+        )
     if declared.members:
-        members = parts(name, draft_model=inputs.draft_model is not None)
+        members = parts(name, draft_model=inputs.draft_model is not None, head=inputs.draft_head is not None)
         source: DraftSource = CompositeSource([_build(m, inputs, built) for m in members], name)
     else:
         source = FACTORIES[name](inputs)
@@ -67,10 +81,13 @@ def _build(name: str, inputs: Inputs, built: dict[str, DraftSource]) -> DraftSou
     return source
 
 
-def make_draft_source(name: str, target: Runtime | Front, draft_model: Runtime | None = None) -> DraftSource:
+def make_draft_source(
+    name: str, target: Runtime | Front, draft_model: Runtime | None = None,
+    draft_head: DraftHead | None = None,
+) -> DraftSource:  # fmt: skip
     """A request's source. `auto` tries the n-gram drafter, then the cross-request suffix cache, then
-    the draft model when there is one."""
-    return _build(name, Inputs(target, draft_model), {})
+    the learned head and the draft model where there are ones."""
+    return _build(name, Inputs(target, draft_model, draft_head), {})
 
 
 def make_draft_sources(target: Runtime | Front, draft_model: Runtime | None = None) -> dict[str, DraftSource]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.decoding.drafters import EMPTY, Drafter, Proposal
+from pipeline.decoding.drafters import EMPTY, Drafter, Proposal, observe
 from pipeline.decoding.grammar.matcher import GrammarMatcher
 from pipeline.decoding.grammar.rows import Constraint
 from pipeline.decoding.tree import chain
@@ -57,6 +57,9 @@ class ForcedFirst:
     def accept(self, context: Sequence[int]) -> None:
         self.inner.accept(context)
 
+    def observe(self, position: int, features: np.ndarray) -> None:
+        observe(self.inner, position, features)
+
     def finish(self, context: Sequence[int]) -> None:
         self.inner.finish(context)
 
@@ -93,6 +96,9 @@ class FollowingDrafter:
 
     def accept(self, context: Sequence[int]) -> None:
         self.forced.accept(context)
+
+    def observe(self, position: int, features: np.ndarray) -> None:
+        self.forced.observe(position, features)
 
     def finish(self, context: Sequence[int]) -> None:
         self.forced.finish(context)

@@ -1,0 +1,186 @@
+"""A learned drafter's head on the native kernels: EAGLE's one decoder layer over the target's features.
+
+Row p of the head reads [the embedding of token p + 1; the target's feature at p] (the feature is
+the target's final-norm output, `forward_features`), projects it to the model width (`fc`), runs
+one llama decoder layer with its own KV cache, and normalises the result into a predicted feature
+for position p + 1. That prediction times the target's own output rows for a reduced draft
+vocabulary (the few thousand tokens the target emits most, FR-Spec) gives the logits of the token
+at p + 2; the prediction is also the feature the next draft row reads.
+
+The head's weights are quantized to Q8_0 and its layer runs through the same C code as the
+target's (`FastModel.forward_features` with `inputs`), so a draft row costs about one target layer
+plus a product over the draft vocabulary. Its numbers change only which tokens are drafted, never
+the output: a drafted token is a point proposal, verified exactly.
+
+The file is an .npz of float16 weights plus a JSON record (`meta`): the target it was trained for
+(name, shape, the SHA-256 of its embedding rows) and how it was made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.errors import ModelFileError
+from pipeline.model.fast_llama import FastModel, RowCache
+from pipeline.model.fast_products import NativeProducts
+from pipeline.model.native import row_kernels
+from pipeline.model.native_weights import pack, quantize_q8_0
+from pipeline.model.store import cache_root
+
+log = logging.getLogger(__name__)
+
+HEAD_FORMAT = 1
+SHIPPED = Path(__file__).parent / "heads"  # heads made by `speclanes drafter train` for the default model
+HEAD_SUFFIX = ".head.npz"
+MATRICES = ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+NORMS = ("attn_norm", "ffn_norm", "out_norm")
+
+
+def embedding_digest(embed: np.ndarray) -> str:
+    """A target's identity for its heads: its embedding rows' SHA-256 (a head trained for one
+    model is useless, though harmless, on another with the same shape)."""
+    return hashlib.sha256(np.ascontiguousarray(embed, np.float32).tobytes()).hexdigest()
+
+
+def head_config(target: ModelConfig, d_ff: int) -> ModelConfig:
+    """The head's layer shape: the target's attention shape, its own feed-forward width."""
+    return ModelConfig(
+        architecture=target.architecture, name=f"{target.name} draft head", n_layers=1,
+        d_model=target.d_model, d_ff=d_ff, n_heads=target.n_heads, n_kv_heads=target.n_kv_heads,
+        head_dim=target.head_dim, rope_theta=target.rope_theta, rms_eps=target.rms_eps,
+        context_length=target.context_length, vocab_size=target.vocab_size, tied_embeddings=True,
+        qkv_bias=False, rope_freq_factors=False,
+    )  # fmt: skip
+
+
+def save_head(path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """Weights as float16 (the draft vocabulary as int32), written whole or not at all."""
+    stored = {k: np.asarray(v, np.int32 if k == "vocab" else np.float16) for k, v in arrays.items()}
+    stored["meta"] = np.frombuffer(json.dumps({**meta, "format": HEAD_FORMAT}).encode(), np.uint8)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **stored)
+    tmp.replace(path)
+
+
+def read_head(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    try:
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(arrays.pop("meta").tobytes())
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelFileError(f"{path}: not a draft head file ({exc})") from exc
+    missing = [k for k in (*MATRICES, *NORMS, "vocab") if k not in arrays]
+    if meta.get("format") != HEAD_FORMAT or missing:
+        raise ModelFileError(f"{path}: draft head format {meta.get('format')!r}, missing {missing}")
+    return arrays, meta
+
+
+def check_target(meta: dict, cfg: ModelConfig, embed: np.ndarray) -> None:
+    """ModelFileError unless the head was trained for this target."""
+    target = meta.get("target", {})
+    if target.get("d_model") != cfg.d_model or target.get("vocab_size") != cfg.vocab_size:
+        raise ModelFileError(f"the draft head was trained for {target.get('name')!r}, not {cfg.name!r}")
+    if target.get("embedding_sha256") != embedding_digest(embed):
+        raise ModelFileError(f"the draft head was trained for another model named {target.get('name')!r}")
+
+
+class DraftHead:
+    """The head ready to run: `step` feeds rows and returns predicted features and draft logits."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], meta: dict, cfg: ModelConfig, embed: np.ndarray,
+                 output_rows: np.ndarray) -> None:  # fmt: skip
+        """`output_rows`: the target's output matrix rows for the draft vocabulary, float32."""
+        f32 = {k: np.asarray(v, np.float32) for k, v in arrays.items() if k != "vocab"}
+        self.vocab = np.asarray(arrays["vocab"], np.int64)
+        self.meta, self.embed = meta, embed
+        self.cfg = head_config(cfg, int(f32["w_gate"].shape[0]))
+
+        def q8(w: np.ndarray) -> list:
+            return [pack(quantize_q8_0(w), exact=False)]
+
+        layer = {
+            "attn_norm": f32["attn_norm"], "ffn_norm": f32["ffn_norm"], "bqkv": None,
+            "wqkv": q8(np.concatenate([f32["wq"], f32["wk"], f32["wv"]])), "wo": q8(f32["wo"]),
+            "wgu": q8(np.concatenate([f32["w_gate"], f32["w_up"]])), "wdown": q8(f32["w_down"]),
+        }  # fmt: skip
+        head = pack(quantize_q8_0(np.ascontiguousarray(output_rows, np.float32)), exact=False)
+        products = NativeProducts(row_kernels())
+        self.fc = q8(f32["fc"])
+        self.products = products
+        nbytes = sum(m.data.nbytes for k in ("wqkv", "wo", "wgu", "wdown") for m in layer[k])
+        self.model = FastModel(
+            self.cfg, [layer], f32["out_norm"], head, None, embed, None, products, "q8",
+            "draft head", nbytes + head.data.nbytes + self.fc[0].data.nbytes,
+        )  # fmt: skip
+
+    def new_cache(self, capacity: int = 256) -> RowCache:
+        return self.model.new_cache(capacity)
+
+    def step(
+        self, cache: RowCache, next_tokens: list[int], features: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows at positions [cache.length, +T): row i reads token next_tokens[i] (the one after
+        its position) and features[i]; returns (predicted features, draft-vocabulary logits)."""
+        joined = np.concatenate([self.embed[next_tokens], np.asarray(features, np.float32)], axis=1)
+        x = self.products.apply(self.products.prepare(np.ascontiguousarray(joined, np.float32)), self.fc)
+        logits, found = self.model.forward_features([(cache, next_tokens)], inputs=x)
+        return found[0], logits[0]
+
+
+def output_rows(path: Path | None, cfg: ModelConfig, embed: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The target's output rows for `ids`: its embedding rows when tied, else the file's output matrix."""
+    if cfg.tied_embeddings or path is None:
+        return np.asarray(embed[ids], np.float32)
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "output.weight")
+    full = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(cfg.vocab_size, cfg.d_model)
+    return np.asarray(full[ids], np.float32)
+
+
+def load_head(path: Path, cfg: ModelConfig, embed: np.ndarray, target_path: Path | None = None) -> DraftHead:
+    arrays, meta = read_head(path)
+    check_target(meta, cfg, embed)
+    return DraftHead(arrays, meta, cfg, embed, output_rows(target_path, cfg, embed, arrays["vocab"]))
+
+
+def trained_heads_directory() -> Path:
+    """Where `speclanes drafter train` writes a head by default (found again by `find_head`)."""
+    return cache_root() / "heads"
+
+
+def head_name(model_path: Path) -> str:
+    return Path(model_path).name + HEAD_SUFFIX
+
+
+def find_head(model_path: Path) -> Path | None:
+    """The head for the model file at `model_path`: one the user trained, else one shipped here."""
+    for directory in (trained_heads_directory(), SHIPPED):
+        candidate = directory / head_name(model_path)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def head_for(
+    model_path: Path, cfg: ModelConfig, embed: np.ndarray, explicit: Path | None = None
+) -> DraftHead | None:
+    """The head to draft with: `explicit` (its errors raised), else the one found for the model,
+    else None; a found head trained for another model is skipped with a warning."""
+    if explicit is not None:
+        return load_head(Path(explicit), cfg, embed, Path(model_path))
+    found = find_head(Path(model_path))
+    if found is None:
+        return None
+    try:
+        return load_head(found, cfg, embed, Path(model_path))
+    except ModelFileError as exc:
+        log.warning("not using the draft head %s: %s", found, exc)
+        return None

@@ -1,0 +1,105 @@
+"""`speclanes drafter train`: distil a draft head for a model, on this machine.
+
+Three resumable stages under a work directory: the target answers the training and held-out
+prompts (`distill`), the head trains (`train`, from its checkpoint), and the head is written with
+a record of its data, settings, steps, time and held-out acceptance (`evaluate`). Run it again
+with the same arguments after an interruption and it goes on where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipeline.training.settings import TrainSettings
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    drafter = sub.add_parser("drafter", help="learned drafters: train a draft head for a model")
+    drafter_sub = drafter.add_subparsers(dest="drafter_command", required=True)
+    train = drafter_sub.add_parser("train", help="distil a draft head from the model's own answers")
+    train.add_argument(
+        "-m", "--model", metavar="PATH", help="the target GGUF (default: SmolLM2-135M-Instruct)"
+    )
+    train.add_argument(
+        "--out", metavar="PATH",
+        help="the head file (default: the cache's heads directory, where `learned` and `auto` find it)",
+    )  # fmt: skip
+    train.add_argument("--work", metavar="DIR", help="data and checkpoints (default: next to --out)")
+    train.add_argument("--prompts", type=int, default=4096, help="training prompts answered (default 4096)")
+    train.add_argument("--held-out", type=int, default=256, help="held-out prompts answered (default 256)")
+    train.add_argument("--max-new", type=int, default=160, help="tokens per answer at most (default 160)")
+    train.add_argument("--batch", type=int, default=24, help="answers decoded together (default 24)")
+    defaults = TrainSettings()
+    train.add_argument("--epochs", type=int, default=defaults.epochs, help=f"(default {defaults.epochs})")
+    train.add_argument("--vocab", type=int, default=defaults.vocab_size,
+                       help=f"draft vocabulary size (default {defaults.vocab_size})")  # fmt: skip
+    train.add_argument("--d-ff", type=int, default=defaults.d_ff, help="the head's feed-forward width")
+    train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate ({defaults.lr})")
+    train.add_argument("--seed", type=int, default=0)
+
+
+def say(text: str) -> None:
+    print(f"drafter train: {text}", file=sys.stderr, flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pipeline.model import load_model
+    from pipeline.model.default import default_model_path
+    from pipeline.model.draft_head import (
+        embedding_digest,
+        head_name,
+        load_head,
+        output_rows,
+        save_head,
+        trained_heads_directory,
+    )
+    from pipeline.training.distill import distill, load_shards, sampled
+    from pipeline.training.evaluate import acceptance_by_depth
+    from pipeline.training.prompts import prompts
+    from pipeline.training.train import train
+
+    model_path = Path(args.model) if args.model else default_model_path()
+    out = Path(args.out) if args.out else trained_heads_directory() / head_name(model_path)
+    work = Path(args.work) if args.work else out.with_name(out.name.removesuffix(".npz") + ".work")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    model = load_model(model_path)
+    assert model.tokenizer is not None
+    say(f"target {model_path.name}: {model.describe()}")
+    train_prompts, test_prompts = prompts("train", args.seed)[: args.prompts], prompts("test", args.seed)
+    data = distill(model, train_prompts, work / "train", max_new=args.max_new, batch=args.batch,
+                   seed=args.seed, report=say)  # fmt: skip
+    distill(model, test_prompts[: args.held_out], work / "held-out", max_new=args.max_new, batch=args.batch,
+            seed=args.seed + 1, report=say)  # fmt: skip
+    data_seconds = time.perf_counter() - start
+    sequences, held_out = load_shards(work / "train"), load_shards(work / "held-out")
+    settings = TrainSettings(
+        epochs=args.epochs, vocab_size=args.vocab, d_ff=args.d_ff, lr=args.lr, seed=args.seed
+    )
+    cfg, embed = model.cfg, model.embed
+
+    def rows(ids):
+        return output_rows(model_path, cfg, embed, ids)
+
+    head, vocab, record = train(sequences, held_out, cfg, embed, rows, model.tokenizer.eos_id, work,
+                                settings, report=say)  # fmt: skip
+    meta = {
+        "target": {"name": cfg.name, "file": model_path.name, "d_model": cfg.d_model,
+                   "vocab_size": cfg.vocab_size, "embedding_sha256": embedding_digest(embed)},
+        "data": {**data, "held_out_prompts": min(args.held_out, len(test_prompts)),
+                 "prompt_set": "pipeline.training.prompts (generated; held out by subject)"},
+        "training": record, "command": " ".join(["speclanes", *sys.argv[1:]]),
+        "data_seconds": round(data_seconds, 1), "made": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+    save_head(out, {**head.arrays(), "vocab": vocab}, meta)
+    greedy = [s for i, s in enumerate(held_out) if not sampled(i)]  # load_shards keeps the prompts' order
+    meta["held_out_acceptance"] = acceptance_by_depth(load_head(out, cfg, embed, model_path), greedy)
+    meta["total_seconds"] = round(time.perf_counter() - start, 1)
+    save_head(out, {**head.arrays(), "vocab": vocab}, meta)
+    say(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {meta['total_seconds']:.0f} s")
+    print(json.dumps(meta["held_out_acceptance"] | {"head": str(out)}, indent=1))
+    return 0

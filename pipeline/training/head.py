@@ -1,0 +1,70 @@
+"""The draft head in torch, for training: the same computation `model.draft_head` runs natively.
+
+fc over [embedding of the next token; the target's feature], one pre-norm llama decoder layer
+(rotate-half RoPE, grouped-query attention, SwiGLU), and a final RMS norm giving the predicted
+feature. Logits are the prediction times the target's frozen output rows for the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class TorchHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, d_ff: int) -> None:
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.cfg, self.d_ff = cfg, d_ff
+        self.fc = nn.Parameter(torch.cat([0.02 * torch.randn(d, d), torch.eye(d)], dim=1))
+        self.wq = nn.Parameter(0.02 * torch.randn(cfg.n_heads * hd, d))
+        self.wk = nn.Parameter(0.02 * torch.randn(cfg.n_kv_heads * hd, d))
+        self.wv = nn.Parameter(0.02 * torch.randn(cfg.n_kv_heads * hd, d))
+        self.wo = nn.Parameter(0.02 * torch.randn(d, cfg.n_heads * hd) / 4)
+        self.w_gate = nn.Parameter(0.02 * torch.randn(d_ff, d))
+        self.w_up = nn.Parameter(0.02 * torch.randn(d_ff, d))
+        self.w_down = nn.Parameter(0.02 * torch.randn(d, d_ff) / 4)
+        self.attn_norm = nn.Parameter(torch.ones(d))
+        self.ffn_norm = nn.Parameter(torch.ones(d))
+        self.out_norm = nn.Parameter(torch.ones(d))
+        half = hd // 2
+        inv = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(cfg.context_length, dtype=torch.float64), inv)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, heads, T, hd) rotated by position 0..T-1 (rotate-half, as `llama.Rope`)."""
+        t, half = x.shape[2], x.shape[-1] // 2
+        cos, sin = self.cos[:t], self.sin[:t]
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) next-token embeddings and features -> (B, T, d) predicted next features."""
+        cfg, eps = self.cfg, self.cfg.rms_eps
+        b, t, _ = embedded.shape
+        x = torch.cat([embedded, features], dim=-1) @ self.fc.T
+        h = rms_norm(x, self.attn_norm, eps)
+        q = (h @ self.wq.T).view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = (h @ self.wk.T).view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = (h @ self.wv.T).view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        group = cfg.n_heads // cfg.n_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        attn = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        x = x + attn.transpose(1, 2).reshape(b, t, -1) @ self.wo.T
+        h = rms_norm(x, self.ffn_norm, eps)
+        x = x + (F.silu(h @ self.w_gate.T) * (h @ self.w_up.T)) @ self.w_down.T
+        return rms_norm(x, self.out_norm, eps)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The weights as `draft_head.save_head` stores them."""
+        return {name: p.detach().float().cpu().numpy() for name, p in self.named_parameters()}

@@ -1,0 +1,153 @@
+"""Training the draft head on self-distillation data (`distill`), with torch, resumable.
+
+Each training row p of a sequence reads the embedding of token p + 1 and the target's feature at
+p (with a little noise, as EAGLE adds, so the head tolerates its own imperfect predictions when it
+drafts several tokens deep), and learns
+- the target's feature at p + 1 (smooth L1), and
+- the target's next-token distribution there, restricted to the draft vocabulary (cross-entropy
+  against the softmax of the true feature times the output rows: the target's own logits).
+Only rows that predict answer tokens count; prompt rows are context for the head's attention.
+
+The draft vocabulary is the `vocab_size` tokens the target emits most in the training answers
+(FR-Spec), plus end-of-sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.model.config import ModelConfig
+from pipeline.training.head import TorchHead
+from pipeline.training.settings import TrainSettings
+
+Sequences = list[tuple[np.ndarray, int, np.ndarray]]  # (tokens, prompt length, features), as `distill` writes
+
+
+def draft_vocabulary(sequences: Sequences, size: int, eos: int | None) -> np.ndarray:
+    counts = Counter()
+    for tokens, prompt_length, _ in sequences:
+        counts.update(tokens[prompt_length:].tolist())
+    top = [t for t, _ in counts.most_common(size)]
+    if eos is not None and eos not in top:
+        top = [*top[: size - 1], eos]
+    return np.asarray(sorted(top), np.int64)
+
+
+def batches(lengths: list[int], batch_rows: int, rng: np.random.Generator) -> list[list[int]]:
+    """Sequence indices grouped by similar length (little padding), about batch_rows rows each."""
+    order = np.argsort(lengths, kind="stable")
+    out, current, rows = [], [], 0
+    for i in order:
+        current.append(int(i))
+        rows += lengths[i]
+        if rows >= batch_rows:
+            out.append(current)
+            current, rows = [], 0
+    if current:
+        out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+def collate(sequences, indices: list[int], embed: np.ndarray, device: str):
+    """(embedded, features, target features, loss mask) padded to the longest sequence."""
+    rows = max(len(sequences[i][0]) - 2 for i in indices)
+    d = embed.shape[1]
+    emb = np.zeros((len(indices), rows, d), np.float32)
+    feat = np.zeros_like(emb)
+    goal = np.zeros_like(emb)
+    mask = np.zeros((len(indices), rows), np.float32)
+    for b, i in enumerate(indices):
+        tokens, prompt_length, features = sequences[i]
+        n = len(tokens) - 2  # rows p = 0 .. n-1: token p+1, feature p -> feature p+1
+        emb[b, :n] = embed[tokens[1 : n + 1]]
+        feat[b, :n] = features[:n]
+        goal[b, :n] = features[1 : n + 1]
+        mask[b, max(0, prompt_length - 2) : n] = 1.0
+    return tuple(torch.from_numpy(a).to(device) for a in (emb, feat, goal, mask))
+
+
+def loss_of(head: TorchHead, batch, out_rows: torch.Tensor, s: TrainSettings, train: bool):
+    emb, feat, goal, mask = batch
+    if train and s.noise > 0:
+        scale = feat.pow(2).mean(-1, keepdim=True).sqrt()
+        feat = feat + (torch.rand_like(feat) - 0.5) * 2 * s.noise * scale
+    pred = head(emb, feat)
+    weight = mask.sum().clamp(min=1)
+    feature_loss = (F.smooth_l1_loss(pred, goal, reduction="none").mean(-1) * mask).sum() / weight
+    target = torch.softmax(goal @ out_rows.T, dim=-1)
+    logp = torch.log_softmax(pred @ out_rows.T, dim=-1)
+    token_loss = (-(target * logp).sum(-1) * mask).sum() / weight
+    agree = ((pred @ out_rows.T).argmax(-1) == (goal @ out_rows.T).argmax(-1)).float()
+    accuracy = (agree * mask).sum() / weight
+    return s.feature_weight * feature_loss + s.token_weight * token_loss, feature_loss, token_loss, accuracy
+
+
+def train(
+    sequences: Sequences, held_out: Sequences, cfg: ModelConfig, embed: np.ndarray,
+    output_rows: Callable[[np.ndarray], np.ndarray], eos: int | None, out: Path, settings: TrainSettings,
+    report: Callable[[str], None] = print,
+) -> tuple[TorchHead, np.ndarray, dict]:  # fmt: skip
+    """Train (or resume from `out/checkpoint.pt`); returns the head, its draft vocabulary and the record."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+    rng = np.random.default_rng(settings.seed)
+    vocab = draft_vocabulary(sequences, settings.vocab_size, eos)
+    out_rows = torch.from_numpy(np.ascontiguousarray(output_rows(vocab), np.float32)).to(device)
+    head = TorchHead(cfg, settings.d_ff).to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    lengths = [len(t) - 2 for t, _, _ in sequences]
+    plan = [batches(lengths, settings.batch_rows, rng) for _ in range(settings.epochs)]
+    total = sum(len(p) for p in plan)
+    checkpoint = out / "checkpoint.pt"
+    step, seconds = 0, 0.0
+    if checkpoint.exists():
+        state = torch.load(checkpoint, map_location=device)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, seconds = state["step"], state["seconds"]
+        report(f"train: resumed at step {step}/{total}")
+
+    def lr_at(i: int) -> float:
+        warm = min(1.0, (i + 1) / settings.warmup_steps)
+        return settings.lr * warm * 0.5 * (1 + math.cos(math.pi * i / total))
+
+    start = time.perf_counter() - seconds
+    flat = [b for p in plan for b in p]
+    for i in range(step, total):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i)
+        batch = collate(sequences, flat[i], embed, device)
+        loss, feature_loss, token_loss, acc = loss_of(head, batch, out_rows, settings, train=True)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        if (i + 1) % 25 == 0 or i + 1 == total:
+            elapsed = time.perf_counter() - start
+            report(f"train: step {i + 1}/{total} loss {loss.item():.4f} (feature {feature_loss.item():.4f}, "
+                   f"token {token_loss.item():.3f}) top-1 {acc.item():.3f}, {elapsed:.0f} s")  # fmt: skip
+        if (i + 1) % 200 == 0:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": i + 1,
+                        "seconds": time.perf_counter() - start}, checkpoint)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    with torch.no_grad():
+        accs = [loss_of(head, collate(held_out, b, embed, device), out_rows, settings, False)[3].item()
+                for b in batches([len(t) - 2 for t, _, _ in held_out], settings.batch_rows, rng)]  # fmt: skip
+    record = {"settings": asdict(settings), "steps": total, "train_seconds": round(elapsed, 1),
+              "device": device, "train_sequences": len(sequences), "held_out_sequences": len(held_out),
+              "train_rows": int(sum(lengths)),
+              "held_out_top1": round(float(np.mean(accs)), 4) if accs else None}  # fmt: skip
+    report(f"train: done in {elapsed:.0f} s; held-out top-1 (teacher-forced) {record['held_out_top1']}")
+    return head, vocab, record
