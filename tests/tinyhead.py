@@ -19,7 +19,9 @@ def tiny_settings(**overrides) -> TrainSettings:
     return TrainSettings(**{**base, **overrides})
 
 
-def make_tiny_head(model: Runtime, model_path: Path, root: Path, prompt_count: int = 24) -> tuple[Path, dict]:
+def make_tiny_head(
+    model: Runtime, model_path: Path, root: Path, prompt_count: int = 24
+) -> tuple[Path, dict]:
     """Distil and train a head for `model`; returns its file and the training record."""
     assert model.tokenizer is not None
     distill(model, prompts("train")[:prompt_count], root / "train", max_new=24, batch=8, report=lambda _: None)
@@ -30,7 +32,8 @@ def make_tiny_head(model: Runtime, model_path: Path, root: Path, prompt_count: i
         root, tiny_settings(), report=lambda _: None,
     )  # fmt: skip
     path = root / (model_path.name + ".head.npz")
-    meta = {"target": {"name": model.cfg.name, "d_model": model.cfg.d_model, "vocab_size": model.cfg.vocab_size,
+    cfg = model.cfg
+    meta = {"target": {"name": cfg.name, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
                        "embedding_sha256": embedding_digest(model.embed)}, "training": record}  # fmt: skip
     save_head(path, {**head.arrays(), "vocab": vocab}, meta)
     return path, record

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate
 from pipeline.bench.flags import add_backend_flag, add_common_flags
-from pipeline.decoding.drafters.kinds import needs_draft_model, parts, samples
+from pipeline.decoding.drafters.kinds import needs_draft_model, needs_head, parts, samples
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
@@ -36,20 +36,24 @@ from pipeline.model import Runtime as Model
 from pipeline.model import backend_key, default_model_path, load_model
 from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.draft_head import DraftHead, head_for
 
 
 def identity_expected(name: str, params: SamplingParams, draft_model: Model | None) -> bool:
     """Whether `name`'s output must equal plain decoding's token for token: under greedy, or when
     none of the drafters it runs samples (sampled drafts draw the target's tokens differently)."""
-    drafting = parts(name.removesuffix("/linear"), draft_model=draft_model is not None)
+    drafting = parts(name.removesuffix("/linear"), draft_model=draft_model is not None, head=True)
     return params.greedy or not any(samples(d) for d in drafting)
 
 
-def run_one(model: Model, prompt: list[int], params: SamplingParams, name: str, draft_model: Model | None):
+def run_one(
+    model: Model, prompt: list[int], params: SamplingParams, name: str, draft_model: Model | None,
+    head: DraftHead | None = None,
+):  # fmt: skip
     drafter, linear = name.removesuffix("/linear"), name.endswith("/linear")
     # A drafter that needs a draft model drafts with the target itself when none is given.
     source = make_draft_source(
-        drafter, model, draft_model or model if needs_draft_model(drafter) else draft_model
+        drafter, model, draft_model or model if needs_draft_model(drafter) else draft_model, head
     )
     return decode(model, prompt, params, source, k=0 if drafter == "none" else None, tree=not linear)
 
@@ -65,17 +69,28 @@ def paired(runs: list[Result], baseline: list[Result], rate: Callable[[Result], 
     return statistics.median(rate(a) / rate(b) for a, b in zip(runs, baseline, strict=True))
 
 
+def workloads(held_out: int) -> dict[str, str]:
+    """The three workloads, plus `held_out` chat prompts whose subjects no draft head trained on
+    (`training.prompts`: the chat workload's own subject is held out too)."""
+    from pipeline.training.prompts import prompts
+
+    test = prompts("test")
+    picks = [test[(i * 7919) % len(test)] for i in range(held_out)]  # spread over the templates
+    return {**WORKLOADS, **{f"held{i + 1}": text for i, text in enumerate(picks)}}
+
+
 def run(
-    model: Model, drafters: list[str], draft_model: Model | None, repeats: int, params: SamplingParams
-) -> dict:
+    model: Model, drafters: list[str], draft_model: Model | None, repeats: int, params: SamplingParams,
+    head: DraftHead | None = None, held_out: int = 0,
+) -> dict:  # fmt: skip
     assert model.tokenizer is not None
     results: dict = {}
-    for workload, text in WORKLOADS.items():
+    for workload, text in workloads(held_out).items():
         prompt = model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))
         runs: dict[str, list] = {d: [] for d in drafters}
         for _ in range(repeats):
             for name in drafters:
-                runs[name].append(run_one(model, prompt, params, name, draft_model))
+                runs[name].append(run_one(model, prompt, params, name, draft_model, head))
         reference = runs["none"][0].tokens
         results[workload] = {"prompt_tokens": len(prompt), "drafters": {}}
         for name, completions in runs.items():
@@ -90,6 +105,7 @@ def run(
                 "acceptance_rate": last.acceptance_rate,
                 "mean_accepted_length": last.mean_accepted_length,
                 "nodes_per_step": last.nodes_per_step,
+                "draft_ms_per_node": 1e3 * last.draft_seconds / max(last.drafted, 1),
                 "per_depth_acceptance": last.per_position_acceptance,
                 "identical_to_none": all(r.tokens == reference for r in completions),
                 "identity_expected": identity_expected(name, params, draft_model),
@@ -104,14 +120,15 @@ def vs_chain(row: dict) -> str:
 def render(results: dict) -> str:
     lines = [
         f"{'workload':<8} {'drafter':<13} {'tokens':>6} {'tok/s':>7} {'speed-up':>8} {'accept':>7} "
-        f"{'mean len':>8} {'nodes':>6} {'decode':>7} {'vs chain':>8}  same as none",
+        f"{'mean len':>8} {'nodes':>6} {'ms/node':>7} {'decode':>7} {'vs chain':>8}  same as none",
     ]
     for workload, data in results.items():
         for name, r in data["drafters"].items():
             lines.append(
                 f"{workload:<8} {name:<13} {r['tokens']:>6} {r['tokens_per_second']:>7.1f} "
                 f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
-                f"{r['nodes_per_step']:>6.2f} {r['decode_speedup']:>6.2f}x {vs_chain(r):>8}"
+                f"{r['nodes_per_step']:>6.2f} {r['draft_ms_per_node']:>7.3f} {r['decode_speedup']:>6.2f}x "
+                f"{vs_chain(r):>8}"
                 f"  {r['identical_to_none'] if r['identity_expected'] else 'n/a (sampled drafts)'}"
             )
     return "\n".join(lines)
@@ -125,8 +142,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--draft-model", metavar="PATH", help="for the model drafter (default: the target)")
     parser.add_argument(
         "--drafters",
-        default="none,ngram,ngram/linear,suffix,suffix/linear,auto,auto/linear,model",
+        default="none,ngram,ngram/linear,suffix,suffix/linear,learned,auto,auto/linear,model",
         help="comma-separated; NAME/linear drafts one chain a step instead of a tree",
+    )
+    parser.add_argument(
+        "--draft-head", metavar="PATH", help="for the learned drafter (default: the head found for the model)"
+    )
+    parser.add_argument(
+        "--held-out", type=int, default=4, help="chat prompts on subjects no head trained on (default 4)"
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per run")
     parser.add_argument(
@@ -136,8 +159,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = load_model(args.model or default_model_path(), args.backend)
+    model_path = args.model or default_model_path()
+    model = load_model(model_path, args.backend)
     draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
+    head = head_for(model_path, model.cfg, model.embed, args.draft_head)
+    drafters = [d for d in args.drafters.split(",") if head or not needs_head(d.removesuffix("/linear"))]
     sections = {"greedy": SamplingParams(max_tokens=args.max_tokens)}
     if args.temperature > 0:
         sections["seeded"] = SamplingParams(
@@ -149,7 +175,8 @@ def main(args: argparse.Namespace) -> int:
         "cpu_flags": kernel_flags(), "load": load_note(),
         "t(rows)/t(1)": ",".join(f"{r}:{curve[r - 1] / curve[0]:.2f}" for r in (2, 4, 8, 16, 33)),
     }  # fmt: skip
-    results = {name: run(model, args.drafters.split(","), draft_model, args.repeats, params)
+    header["draft_head"] = "none (learned left out)" if head is None else head.meta.get("made", "?")
+    results = {name: run(model, drafters, draft_model, args.repeats, params, head, args.held_out)
                for name, params in sections.items()}  # fmt: skip
     if args.json:
         print(json.dumps({"machine": header, "sections": results}, indent=2))

@@ -18,3 +18,4 @@ class TrainSettings:
     noise: float = 0.1  # uniform noise on input features, times each row's RMS
     seed: int = 0
     threads: int = 0  # torch threads (0: torch's default)
+    checkpoint_every: int = 200  # steps between checkpoints (and one at the end)

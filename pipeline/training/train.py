@@ -138,7 +138,7 @@ def train(
             elapsed = time.perf_counter() - start
             report(f"train: step {i + 1}/{total} loss {loss.item():.4f} (feature {feature_loss.item():.4f}, "
                    f"token {token_loss.item():.3f}) top-1 {acc.item():.3f}, {elapsed:.0f} s")  # fmt: skip
-        if (i + 1) % 200 == 0:
+        if (i + 1) % settings.checkpoint_every == 0 or i + 1 == total:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": i + 1,
                         "seconds": time.perf_counter() - start}, checkpoint)  # fmt: skip
     elapsed = time.perf_counter() - start
