@@ -24,8 +24,9 @@ def make_tiny_head(
 ) -> tuple[Path, dict]:
     """Distil and train a head for `model`; returns its file and the training record."""
     assert model.tokenizer is not None
-    distill(model, prompts("train")[:prompt_count], root / "train", max_new=24, batch=8, report=lambda _: None)
-    distill(model, prompts("test")[:8], root / "held-out", max_new=24, batch=8, report=lambda _: None)
+    quiet = {"max_new": 24, "batch": 8, "report": lambda _: None}
+    distill(model, prompts("train")[:prompt_count], root / "train", **quiet)
+    distill(model, prompts("test")[:8], root / "held-out", **quiet)
     sequences, held_out = load_shards(root / "train"), load_shards(root / "held-out")
     head, vocab, record = train(
         sequences, held_out, model.cfg, model.embed, lambda ids: model.embed[ids], model.tokenizer.eos_id,
