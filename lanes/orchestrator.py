@@ -26,6 +26,7 @@ import pynng
 import trio
 
 from lanes.lane import LaneContext, lane_main
+from pipeline.decoding.drafters.registry import head_file
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model.default import default_model_path
 from pipeline.model.store import load_front
@@ -247,10 +248,13 @@ class OrchestratorLane:
 
 async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
     # model.path made explicit (the default model's file when empty): every request's audit record
-    # then names the file it was served from, which `audit verify` re-runs.
-    path = str(lane.config.model.path or default_model_path())
-    config = msgspec.structs.replace(lane.config, model=msgspec.structs.replace(lane.config.model, path=path))
-    cfg, _, tokenizer = load_front(config.model.path)  # the embedding stays unmapped
+    # then names the file it was served from, which `audit verify` re-runs. model.draft_head too: the
+    # head the draft lane serves `learned` with, or "" when it has none (admission refuses `learned`).
+    path, model = str(lane.config.model.path or default_model_path()), lane.config.model
+    cfg, embed, tokenizer = load_front(Path(path))  # the embedding is read only to check a head
+    head = head_file(Path(path), cfg, embed, model.draft_head)
+    model = msgspec.structs.replace(model, path=path, draft_head=str(head) if head else "")
+    config = msgspec.structs.replace(lane.config, model=model)
     warm_up(tokenizer)  # admission compiles every response_format once (a bad schema is a 400)
     names = (*LANES, "gateway") if "gateway" in config.processes() else LANES  # readiness waits for it too
     metrics = PipelineMetrics(lane.telemetry.meter, config.model_id())

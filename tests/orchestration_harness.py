@@ -12,7 +12,8 @@ from opentelemetry.sdk.metrics.export import MetricReader
 
 from pipeline.decoding.drafters.registry import make_draft_sources
 from pipeline.decoding.result import Result
-from pipeline.model import Model
+from pipeline.model import Runtime
+from pipeline.model.draft_head import DraftHead
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.orchestration.effects import Send
 from pipeline.orchestration.hub import Hub
@@ -67,7 +68,7 @@ REPLIES: Codec = Codec(DataInbox)
 
 @dataclass
 class World:
-    model: Model
+    model: Runtime
     config: Config = field(default_factory=Config)
     now: float = 100.0
     in_flight: deque[Send] = field(default_factory=deque)
@@ -83,6 +84,7 @@ class World:
     )
 
     readers: list[MetricReader] = field(default_factory=list)  # more metric readers for the hub's instruments
+    head: DraftHead | None = None  # the draft lane's head (the hub knows of it by `model.draft_head`)
 
     def __post_init__(self) -> None:
         self.telemetry = MemoryTelemetry(self.readers)
@@ -92,7 +94,7 @@ class World:
 
     def new_draft_server(self) -> DraftServer:
         """As the draft lane builds it: with the target's tokenizer, for requests with a response_format."""
-        sources = make_draft_sources(self.model)
+        sources = make_draft_sources(self.model, None, self.head)
         return DraftServer(sources, self.model.cfg.vocab_size, FakeLane(), self.model.tokenizer)
 
     def new_hub(self) -> Hub:

@@ -20,6 +20,7 @@ from pipeline.decoding.drafters.kinds import (
     needs_features,
     needs_head,
     parts,
+    reads_features,
     samples,
 )
 from pipeline.decoding.drafters.registry import FACTORIES, make_draft_source, make_draft_sources
@@ -109,29 +110,36 @@ def test_auto_chains_the_free_drafters_then_the_model_when_given(models):
 
 
 def test_a_lane_serves_every_drafter_it_can_and_shares_their_parts(models):
-    target, draft, _ = models
+    target, draft, head = models
     assert list(make_draft_sources(target)) == ["none", "ngram", "suffix", "auto"]
-    sources = make_draft_sources(target, draft)
-    assert list(sources) == [n for n in DRAFTERS if not needs_features(n)]
+    assert list(make_draft_sources(target, draft)) == ["none", "ngram", "suffix", "model", "auto"]
+    assert list(make_draft_sources(target, None, head)) == ["none", "ngram", "suffix", "learned", "auto"]
+    sources = make_draft_sources(target, draft, head)
+    assert list(sources) == list(DRAFTERS)
     auto = sources["auto"]
-    assert isinstance(auto, CompositeSource)
-    # One cross-request suffix table, one draft model source: the same objects as the named ones.
-    assert [id(s) for s in auto.sources] == [id(sources[n]) for n in ("ngram", "suffix", "model")]
+    assert isinstance(auto, CompositeSource) and auto.needs_features
+    # One cross-request suffix table, one head and one draft model source: the same objects as the named ones.
+    assert [id(s) for s in auto.sources] == [id(sources[n]) for n in ("ngram", "suffix", "learned", "model")]
     # A single request's source shares nothing with another's.
     one, two = make_draft_source("auto", target), make_draft_source("auto", target)
     assert isinstance(one, CompositeSource) and isinstance(two, CompositeSource)
     assert one.sources[1] is not two.sources[1]
 
 
-def test_a_lane_leaves_out_a_drafter_that_needs_the_target_features(models, monkeypatch):
-    """A draft lane sees tokens only. A kind that reads the target's hidden states is built for a
-    request, which runs in-process next to the target, and is not served by a lane."""
+def test_a_lane_serves_a_drafter_that_reads_the_target_features(models, monkeypatch):
+    """The verify lane computes the target's features and the orchestrator passes them on with each
+    draft request, so a lane serves a kind that reads them; the orchestrator asks for them for a
+    request whose drafter, or one of whose parts, reads them."""
     target = models[0]
     monkeypatch.setitem(kinds.KINDS, "featured", DrafterKind("featured", needs_features=True))
     monkeypatch.setitem(registry.FACTORIES, "featured", registry.FACTORIES["ngram"])
-    assert needs_features("featured")
-    assert "featured" not in make_draft_sources(target)
+    assert needs_features("featured") and reads_features("featured", draft_model=False, head=False)
+    assert "featured" in make_draft_sources(target)
     assert make_draft_source("featured", target).name == "ngram"
+    assert reads_features("auto", draft_model=False, head=True)
+    assert not reads_features("auto", draft_model=True, head=False)
+    plain = ("none", "ngram", "suffix", "model")
+    assert not any(reads_features(n, draft_model=True, head=True) for n in plain)
 
 
 # --- the queries ------------------------------------------------------------------------------

@@ -347,6 +347,7 @@ def test_max_iterations_ends_the_request_with_that_fault(world):
         ({"k": 33}, "bad_request", "k must be 0..32"),
         ({"max_iterations": 0}, "bad_request", "max_iterations must be >= 1"),
         ({"drafter": "model"}, "bad_request", "model.draft_path"),
+        ({"drafter": "learned"}, "bad_request", "model.draft_head"),
         ({"prompt": ""}, "bad_request", "empty"),
         ({"prompt": "ab " * 400}, "prompt_too_long", "context"),
         ({"messages": [{"role": "user"}]}, "bad_request", "cannot build the prompt"),

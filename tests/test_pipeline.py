@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from pipeline.audit.store import AuditStore
 from pipeline.audit.verify import verify_request
 from pipeline.bench.common import WORKLOADS
+from pipeline.decoding.drafters.kinds import needs_head
 from pipeline.decoding.drafters.registry import DRAFTERS, make_draft_source
 from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.result import Result
@@ -93,11 +94,20 @@ def _served_model():
 
 
 @cache
+def _head():
+    """The draft head the pipeline finds for the default model (`model.draft_head` is empty), if any."""
+    from pipeline.model.draft_head import head_for
+
+    model = _served_model()
+    return head_for(default_model_path(), model.cfg, model.embed)
+
+
+@cache
 def _reference(prompt: str, params: SamplingParams, drafter: str, k: int | None):
     model = _served_model()
     assert model.tokenizer is not None
     tokens = prompt_tokens(model.tokenizer, prompt, chat=True)
-    source = make_draft_source(drafter, model, model if drafter == "model" else None)
+    source = make_draft_source(drafter, model, model if drafter == "model" else None, _head())
     return decode(model, tokens, params, source, k=0 if drafter == "none" else k)
 
 
@@ -117,6 +127,11 @@ def read_stream(client, request_id: str, after: int = -1, on_chunk=None):
 def test_greedy_output_equals_in_process_generation(pipeline: Pipeline, drafter: str) -> None:
     params = SamplingParams(max_tokens=40)
     k = 4 if drafter == "model" else None  # self-drafting at large k would outrun the draft timeout
+    if needs_head(drafter) and _head() is None:  # no head for the default model here: refused, saying why
+        with pipeline.client() as client, pytest.raises(PipelineError, match="needs a draft head") as info:
+            client.complete(CODE, chat=True, params=params, drafter=drafter, k=k)
+        assert info.value.kind == "bad_request"
+        return
     with pipeline.client() as client:
         done = client.complete(CODE, chat=True, params=params, drafter=drafter, k=k)
     ref = _reference(CODE, params, drafter, k)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.decoding.controls import vocabulary_problem
-from pipeline.decoding.drafters.kinds import needs_draft_model
+from pipeline.decoding.drafters.kinds import needs_draft_model, needs_head
 from pipeline.decoding.grammar.format import ResponseFormatError
 from pipeline.decoding.sampling import request_seed
 from pipeline.decoding.session import PromptError, check_prompt
@@ -89,8 +89,9 @@ class Admitted:
 
 
 def admit(
-    msg: Submit, defaults: Speculation, tokenizer: Tokenizer, context_length: int, *, has_draft_model: bool
-) -> Admitted | ErrorReply:
+    msg: Submit, defaults: Speculation, tokenizer: Tokenizer, context_length: int, *, has_draft_model: bool,
+    has_head: bool = False,
+) -> Admitted | ErrorReply:  # fmt: skip
     if (problem := oversized(msg) or requested_id_problem(msg)) is not None:
         return ErrorReply(kind="bad_request", message=problem)
     try:
@@ -101,6 +102,12 @@ def admit(
         return ErrorReply(
             kind="bad_request",
             message=f"the {speculation.drafter} drafter needs model.draft_path in the configuration",
+        )
+    if needs_head(speculation.drafter) and not has_head:
+        return ErrorReply(
+            kind="bad_request",
+            message=f"the {speculation.drafter} drafter needs a draft head trained for this model: none is "
+            "configured (model.draft_head) or found (`speclanes drafter train` makes one)",
         )
     try:
         tokens = request_tokens(msg, tokenizer)

@@ -26,6 +26,7 @@ import uuid
 
 import msgspec
 
+from pipeline.decoding.drafters.kinds import reads_features
 from pipeline.decoding.result import Result
 from pipeline.decoding.session import Session
 from pipeline.model.tokenizer import Tokenizer
@@ -114,7 +115,7 @@ class Hub:
         """Tokenize and validate: reads only what never changes, so it may run in a worker thread."""
         return admit(
             msg, self.config.speculation, self.tokenizer, self.context_length,
-            has_draft_model=bool(self.config.model.draft_path),
+            has_draft_model=bool(self.config.model.draft_path), has_head=bool(self.config.model.draft_head),
         )  # fmt: skip
 
     def open(self, msg: Submit, admitted: Admitted, now: float) -> tuple[Submitted | ErrorReply, list[Send]]:
@@ -138,8 +139,14 @@ class Hub:
     def _track(self, record: OpenedRecord, now: float) -> RequestMachine:
         """A request machine for a journaled request, known to the client front."""
         started = now - max(time.time() - record.submitted, 0.0)  # on this process's clock
-        drafter = record.speculation.drafter
-        who = Identity(record.request_id, record.seed, drafter, record.trace, started, record.submitted)
+        drafter, model = record.speculation.drafter, self.config.model
+        # The verify lane sends the target's features only for a drafter that reads them, and that drafts.
+        features = record.speculation.fixed_k != 0 and reads_features(
+            drafter, draft_model=bool(model.draft_path), head=bool(model.draft_head)
+        )
+        who = Identity(
+            record.request_id, record.seed, drafter, record.trace, started, record.submitted, features
+        )
         tokens, params = record.prompt_tokens, record.params
         session = Session(self.tokenizer, self.context_length, tokens, params, record.speculation)
         machine = RequestMachine(who, session, self.lanes, self.config.timeouts)

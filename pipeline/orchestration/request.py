@@ -54,6 +54,9 @@ from pipeline.protocol.messages import (
 )
 
 Reply = Opened | Verified | Drafted | StepFailed
+# The target's features a request keeps for its drafter while no DraftRequest takes them (steps that
+# draft nothing, a draft lane that is down): the latest, a bounded history for a learned drafter.
+MAX_KEPT_FEATURES = 2048
 KIND = {
     Open: "open",
     Verify: "verify",
@@ -74,6 +77,7 @@ class Identity:
     trace: dict[str, str]
     started: float  # monotonic
     submitted: float  # wall clock, for the audit trail
+    features: bool = False  # its drafter reads the target's features: the verify lane sends them
 
 
 @dataclass
@@ -93,6 +97,8 @@ class Planned:
 
 
 class RequestMachine:
+    # Over 250 lines: one request's whole step protocol in one place, every reply, fault and lane change
+    # (the pure parts are the functions below it: proposals, the verified part, features, audit events).
     def __init__(self, who: Identity, session: Session, lanes: LaneTable, timeouts: Timeouts) -> None:
         self.who, self.session, self.lanes, self.timeouts = who, session, lanes, timeouts
         self.step = 0  # the last completed step
@@ -105,6 +111,7 @@ class RequestMachine:
         self.prefill_seconds = 0.0
         self.waiting_for_verify_lane = False
         self.neighbours = 0  # other requests sharing the verify lane's forwards (set by the hub)
+        self.features: tuple[int, Rows] | None = None  # (position, rows) for the next DraftRequest
 
     @property
     def id(self) -> str:
@@ -122,6 +129,7 @@ class RequestMachine:
             Open(
                 request_id=self.id, step=0, tokens=session.prompt_tokens, params=session.params,
                 seed=self.who.seed, capacity=session.capacity(), trace=self.who.trace,
+                features=self.who.features,
             ),
             now,
         )  # fmt: skip
@@ -132,6 +140,8 @@ class RequestMachine:
         if self.done or pending is None or kind != KIND[type(pending)] or msg.step != pending.step:
             return []  # late or repeated: already dealt with
         self.pending, self.deadline = None, math.inf
+        if isinstance(msg, Opened | Verified) and msg.features is not None:
+            self.features = kept_features(self.features, msg.features_at, msg.features)
         if isinstance(msg, StepFailed):
             return self._failed(msg, now)
         if isinstance(msg, Drafted):
@@ -221,13 +231,15 @@ class RequestMachine:
         self.planned = Planned(want)
         if want == 0 or not self.lanes.usable("draft"):
             return self._verify_step(now)
-        session = self.session
+        session, (features_at, features) = self.session, self.features or (0, None)
         self.planned.draft_started = now
         self.pending = DraftRequest(
             request_id=self.id, step=self.step + 1, drafter=self.who.drafter, params=session.params,
             seed=self.who.seed, prompt_length=len(session.prompt_tokens), context=session.context,
-            k=want, tree=session.tree, floor=session.floor(), trace=self.who.trace,
+            k=want, tree=session.tree, floor=session.floor(), trace=self.who.trace, features=features,
+            features_at=features_at,
         )  # fmt: skip
+        self.features = None  # each batch goes to the draft lane once
         self.deadline = now + self.timeouts.draft
         return [Send("draft", self.pending)]
 
@@ -309,6 +321,7 @@ class RequestMachine:
                 request_id=self.id, step=self.step, tokens=session.context[:-1], params=session.params,
                 seed=self.who.seed, draws=self.draws, sample=False, capacity=session.capacity(),
                 prompt_length=len(session.prompt_tokens), pending=session.context[-1], trace=self.who.trace,
+                features=self.who.features,
             ),
             now,
         )  # fmt: skip
@@ -341,6 +354,24 @@ class RequestMachine:
         tokens = self.session.out.tokens[before:]
         if text or tokens:
             self.chunks.append(Chunk(len(self.chunks), text, tokens, self.session.logprobs[before:]))
+
+
+def kept_features(kept: tuple[int, Rows] | None, at: int, rows: Rows) -> tuple[int, Rows] | None:
+    """`rows` (the target's features at positions [at, ...)) after those kept: joined to them where they
+    continue or overlap them (steps that asked for no draft), else in their place (a gap: the drafter
+    starts its history again there). At most MAX_KEPT_FEATURES, the latest; rows whose bytes do not
+    fit their shape are none."""
+    n, width = rows.shape
+    size = width * 4
+    if n < 0 or width <= 0 or len(rows.data) != n * size or at < 0:
+        return kept
+    if kept is not None and kept[1].shape[1] == width and kept[0] <= at <= kept[0] + kept[1].shape[0]:
+        data = kept[1].data[: (at - kept[0]) * size] + rows.data
+        at, n, rows = kept[0], len(data) // size, Rows((len(data) // size, width), data)
+    if n > MAX_KEPT_FEATURES:
+        cut = n - MAX_KEPT_FEATURES
+        at, rows = at + cut, Rows((MAX_KEPT_FEATURES, width), rows.data[cut * size :])
+    return at, rows
 
 
 def verified_part(planned: Planned, verified: list[int] | None) -> Planned:

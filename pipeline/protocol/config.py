@@ -63,6 +63,8 @@ class Run(Section):
 class ModelSection(Section):
     path: str = ""  # empty: the embedded SmolLM2-135M-Instruct
     draft_path: str = ""  # a smaller GGUF with the same vocabulary, for the `model` drafter
+    # The `learned` drafter's head (`speclanes drafter train`); empty: the one found for the model.
+    draft_head: str = ""
     # auto: the native backend where this machine builds its kernels, else the numpy reference (logged);
     # native/torch/numpy: that one or a clear error. A key such as "torch:bf16" also picks the format.
     backend: str = "auto"

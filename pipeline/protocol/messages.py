@@ -46,7 +46,8 @@ class BadMessage(ValueError):
 
 
 class Rows(msgspec.Struct, frozen=True, array_like=True):
-    """Probability rows as raw little-endian float32 bytes with their shape."""
+    """Float rows (draft probabilities, the target's features) as raw little-endian float32 bytes
+    with their shape."""
 
     shape: tuple[int, int]
     data: bytes
@@ -84,7 +85,9 @@ class Open(Work, frozen=True, kw_only=True):
     accepted prefix and fast-forwards the random stream by `draws`. `prompt_length` says where
     the prompt ends in `tokens` (None: all of them), so penalties tell prompt from output. A
     re-prime also names `pending`, the newest output token (the next Verify feeds it): a grammar
-    (`params.response_format`) must stand after the whole output, that token included."""
+    (`params.response_format`) must stand after the whole output, that token included.
+    `features`: the request's drafter reads the target's features (`drafters.kinds`), so the
+    Opened and every Verified carry those of the positions the lane computed and kept."""
 
     tokens: list[int]
     params: SamplingParams
@@ -94,6 +97,7 @@ class Open(Work, frozen=True, kw_only=True):
     capacity: int = 0
     prompt_length: int | None = None
     pending: int | None = None
+    features: bool = False
 
 
 class Verify(Work, frozen=True, kw_only=True):
@@ -120,7 +124,9 @@ class Close(Message, frozen=True, kw_only=True):
 
 class DraftRequest(Work, frozen=True, kw_only=True):
     """Everything a draft lane needs to (re)build the request's drafter, so a restarted
-    lane serves the next step without a handshake."""
+    lane serves the next step without a handshake. `features`: the target's features at
+    positions [features_at, ...) that the verify lane sent since the last DraftRequest (for a
+    drafter that reads them; a restarted lane's drafter starts its history where they begin)."""
 
     drafter: str
     params: SamplingParams
@@ -130,12 +136,17 @@ class DraftRequest(Work, frozen=True, kw_only=True):
     k: int  # draft nodes at most
     tree: bool = False  # a token tree welcome (`decoding.tree`), not only a chain
     floor: float = 0.0  # the least weight of a tree's likeliest first node (`Controller.floor`)
+    features: Rows | None = None
+    features_at: int = 0
 
 
 # --- data lane: lanes -> orchestrator -------------------------------------------------
 
 
 class Opened(Work, frozen=True, kw_only=True):
+    """The prompt (or a re-prime's prefix) is in. With `Open.features`, `features` are the target's
+    features at positions [features_at, ...): those this lane computed (copied prefixes have none)."""
+
     token: int | None
     u: float | None
     draws: int
@@ -143,6 +154,8 @@ class Opened(Work, frozen=True, kw_only=True):
     backend: str = ""  # the runtime that computed it ("torch:int4", "numpy:f32"): see model.backends
     row_seconds: list[float] = []  # the lane's calibrated t(rows) (`model.calibration`)
     logprobs: list[TokenLogprobs] = []  # the first token's entry, when `params.logprobs` asks
+    features: Rows | None = None
+    features_at: int = 0
 
 
 class Verified(Work, frozen=True, kw_only=True):
@@ -159,6 +172,10 @@ class Verified(Work, frozen=True, kw_only=True):
     # grammar cuts the nodes it forbids before the forward: they were never offered to the target.
     verified: list[int] | None = None
     logprobs: list[TokenLogprobs] = []  # one per token of `tokens`, when `params.logprobs` asks
+    # With `Open.features`: the kept rows' features, the pending token's position first, then
+    # the accepted drafts' (`TargetState.conclude`).
+    features: Rows | None = None
+    features_at: int = 0
 
 
 class Drafted(Work, frozen=True, kw_only=True):

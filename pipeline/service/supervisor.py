@@ -30,6 +30,7 @@ import msgspec
 import trio
 from opentelemetry.trace import Span
 
+from pipeline.decoding.drafters.registry import head_file
 from pipeline.model.default import default_model_path
 from pipeline.model.store import load_front
 from pipeline.observability.telemetry import Telemetry
@@ -279,6 +280,10 @@ class Supervisor:
             models.append(self.config.model.draft_path)
         for model in models:
             await trio.to_thread.run_sync(load_front, Path(model))
+        explicit, serving = self.config.model.draft_head, self.config.processes()
+        if explicit and ("draft" in serving or "orchestrator" in serving):  # a wrong head fails `start` at
+            target = load_front(Path(models[0]))  # once, not two lanes in a restart loop
+            await trio.to_thread.run_sync(head_file, Path(models[0]), target.cfg, target.embed, explicit)
         try:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals, self.lanes:
                 async with trio.open_nursery() as nursery:

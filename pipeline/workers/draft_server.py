@@ -3,7 +3,9 @@
 A draft request carries the whole accepted context and what is needed to rebuild the
 request's drafter, so a restarted lane answers the next step with no handshake. Drafts
 only change speed, never output: a drafter that raises is reported and answered with
-an empty proposal.
+an empty proposal. A draft request may carry the target's features (for a learned drafter):
+the drafter observes them before it proposes, once per step (a repeat is answered from the
+cache); a restarted lane's drafter starts its history where the first ones it gets begin.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from pipeline.decoding.adaptive import K_LIMIT
 from pipeline.decoding.controls import vocabulary_problem
-from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource
+from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, observe
 from pipeline.decoding.grammar.drafting import following
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
@@ -53,6 +55,8 @@ class DraftServer:
             return f"prompt length {msg.prompt_length} for a context of {len(msg.context)}"
         if any(not 0 <= t < self.vocab_size for t in msg.context):
             return f"token id out of range [0, {self.vocab_size})"
+        if msg.features is not None and (problem := features_problem(msg)) is not None:
+            return problem
         return vocabulary_problem(msg.params, self.vocab_size)
 
     def draft(self, msg: DraftRequest) -> Drafted | StepFailed:
@@ -89,6 +93,8 @@ class DraftServer:
                 while len(self.active) > MAX_REQUESTS:
                     self.active.popitem(last=False)
             self.active.move_to_end(msg.request_id)
+            if msg.features is not None:  # the kept positions' features, before the context they explain
+                observe(active.drafter, msg.features_at, msg.features.array())
             if len(msg.context) != active.seen:
                 active.drafter.accept(msg.context)
                 active.seen = len(msg.context)
@@ -120,3 +126,16 @@ class DraftServer:
                 self.lane.fault("draft_failed", f"finish raised {exc!r}", msg.request_id)
             self.lane.state.runs += 1
         self.lane.state.active_requests = len(self.active)
+
+
+def features_problem(msg: DraftRequest) -> str | None:
+    """Why a request's features cannot be the target's at positions [features_at, ...): each lies
+    before the pending token (the newest, which no forward has read yet), in rows that fit their shape."""
+    assert msg.features is not None
+    (n, width), data = msg.features.shape, msg.features.data
+    if n < 0 or width <= 0 or len(data) != n * width * 4:
+        return f"features of shape {msg.features.shape} in {len(data)} bytes"
+    at, length = msg.features_at, len(msg.context)
+    if at < 0 or at + n >= length:
+        return f"features for positions {at}..{at + n - 1} of a context of {length}"
+    return None

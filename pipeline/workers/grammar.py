@@ -22,8 +22,9 @@ def opened_target(model: Runtime, msg: Open, capacity: int) -> TargetState | str
     so it walks the output tokens in the prefix and then the pending token the Open names."""
     try:
         target = TargetState(
-            model, msg.params, msg.seed, draws=msg.draws, capacity=capacity, prompt_length=msg.prompt_length
-        )
+            model, msg.params, msg.seed, draws=msg.draws, capacity=capacity, prompt_length=msg.prompt_length,
+            keep_features=msg.features,
+        )  # fmt: skip
     except ResponseFormatError as exc:  # the orchestrator compiled it already: a client bypassing it
         return str(exc)
     if msg.sample or target.grammar is None:

@@ -11,6 +11,12 @@ free of consequences for the numbers: a position's logits are the same in a chun
 whole-prompt prefill or in a decode step. For the same reason a prompt that begins like
 tokens a cache here already holds copies their K/V instead of computing them again
 (`prefix_reuse`: the n choices of one OpenAI request, a shared system prompt).
+
+For a request whose drafter reads the target's features (`Open.features`: a learned drafter), the
+forwards also compute each row's feature, and the Opened and each Verified carry those of the
+positions kept (`Rows`): the prompt positions this lane computed (copied ones have none: the
+drafter's history then starts after them), the pending token's and the accepted drafts'. Row
+invariance makes them the bits an in-process run hands its drafter.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +36,7 @@ from pipeline.model import Runtime, backend_key
 from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.model.llama import KVCache
-from pipeline.protocol.messages import BadMessage, Close, Open, Opened, StepFailed, Verified, Verify
+from pipeline.protocol.messages import BadMessage, Close, Open, Opened, Rows, StepFailed, Verified, Verify
 from pipeline.workers.grammar import opened_target
 from pipeline.workers.prefix_reuse import Holder, PrefixReuse
 from pipeline.workers.reporting import LaneReporter, step_failed
@@ -48,6 +55,9 @@ class Prefill:
     started_ns: int
     fed: int = 0  # prompt positions in the cache (computed here or copied)
     reused: int = 0  # of them, copied from another cache (`prefix_reuse`)
+    # With `msg.features`: the features of the last run of positions computed here, from features_at.
+    features: list[np.ndarray] = field(default_factory=list)
+    features_at: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -59,6 +69,18 @@ class Prefill:
 
     def next_chunk(self, rows: int) -> list[int]:
         return self.msg.tokens[self.fed : self.fed + rows]
+
+    def computed(self, chunk: list[int], features: np.ndarray | None) -> None:
+        """`chunk` went through the forward at `fed`, with these features (when the request wants them):
+        they continue the run kept so far, or (after positions copied from another cache) start one.
+        Once the whole prompt is in, the target keeps them (`features_of` sends them)."""
+        if features is not None and self.target.keep_features:
+            if self.fed != self.features_at + sum(len(f) for f in self.features):
+                self.features, self.features_at = [], self.fed
+            self.features.append(np.array(features, np.float32))  # a copy: the forward's rows are shared
+        self.fed += len(chunk)
+        if self.fed == len(self.tokens) and self.features:
+            self.target.keep(self.features_at, np.concatenate(self.features))
 
 
 @dataclass
@@ -138,7 +160,7 @@ class Verifier:
         reply = Opened(
             request_id=msg.request_id, step=msg.step, trace=msg.trace, token=token, u=u,
             draws=target.draws, seconds=(time.time_ns() - job.started_ns) / 1e9, backend=self.backend,
-            row_seconds=self.row_seconds, logprobs=target.logprobs,
+            row_seconds=self.row_seconds, logprobs=target.logprobs, **features_of(target),
         )  # fmt: skip
         self.requests[msg.request_id] = Request(target, msg.step, reply)
         self.lane.state.runs += msg.sample
@@ -212,8 +234,9 @@ class Verifier:
             for msg, request in batch
         ]
         work += [(job.target.cache, chunk, None) for job, chunk in chunks]
-        try:
-            all_logits = self.model.forward_batch(work)
+        want = any(r.target.keep_features for _, r in batch) or any(j.target.keep_features for j, _ in chunks)
+        try:  # every row's features when one request wants them (a copy of the final norm's rows)
+            all_logits, found = self.model.forward_features(work, features=want)
         except Exception as exc:
             for msg, _ in batch:  # their caches may be half-written: a re-prime rebuilds them
                 self.requests.pop(msg.request_id, None)
@@ -224,30 +247,34 @@ class Verifier:
                 step_failed(self.lane, msg, "verification_failed", f"forward failed: {exc!r}")
                 for msg in failed
             ]
+        n, features = len(batch), found or [None] * len(work)
         replies: list[Opened | Verified | StepFailed] = []
-        for (job, chunk), logits in zip(chunks, all_logits[len(batch) :], strict=True):
-            job.fed += len(chunk)
+        for (job, chunk), logits, rows in zip(chunks, all_logits[n:], features[n:], strict=True):
+            job.computed(chunk, rows)
             if job.fed == len(job.msg.tokens):
                 replies.append(self.finish_prefill(job, logits[-1]))
         if batch:
-            replies.extend(self.conclude(batch, all_logits[: len(batch)], start, start_ns))
+            replies.extend(self.conclude(batch, all_logits[:n], features[:n], start, start_ns))
         return replies
 
     def conclude(
-        self, batch: list[tuple[Verify, Request]], all_logits: list[np.ndarray], start: float, start_ns: int
-    ) -> list[Verified]:
+        self, batch: list[tuple[Verify, Request]], all_logits: list[np.ndarray],
+        features: list[np.ndarray | None], start: float, start_ns: int,
+    ) -> list[Verified]:  # fmt: skip
         replies: list[Verified] = []
         rows = sum(1 + len(request.draft.tokens) for _, request in batch)
-        for (msg, request), logits in zip(batch, all_logits, strict=True):
+        for (msg, request), logits, found in zip(batch, all_logits, features, strict=True):
             target, draft = request.target, request.draft
-            verdict = target.conclude(logits, draft.tokens, draft.probs, draft.parents, pending=msg.pending)
+            verdict = target.conclude(
+                logits, draft.tokens, draft.probs, draft.parents, pending=msg.pending, features=found
+            )
             request.step = msg.step
             request.reply = Verified(
                 request_id=msg.request_id, step=msg.step, trace=msg.trace,
                 tokens=verdict.tokens, accepted=verdict.accepted, decisions=verdict.decisions,
                 final_u=verdict.final_u, draws=request.target.draws, batch_size=len(batch),
                 seconds=time.perf_counter() - start, backend=self.backend, path=verdict.path,
-                logprobs=target.logprobs, verified=request.verified,
+                logprobs=target.logprobs, verified=request.verified, **features_of(target),
             )  # fmt: skip
             replies.append(request.reply)
             self.trace_step(msg, request.reply, start_ns, rows)
@@ -319,6 +346,14 @@ class Verifier:
         return (
             bool(steps) and len(steps) < len(self.requests) and not any(isinstance(m, Open) for m in messages)
         )
+
+
+def features_of(target: TargetState) -> dict[str, Any]:
+    """An Opened's or Verified's `features` fields: the rows the target kept at its last prefill or step
+    (none unless its request asked for them)."""
+    if not target.keep_features or target.features is None:
+        return {}
+    return {"features": Rows.of(target.features), "features_at": target.features_at}
 
 
 def runtime_report(model: Runtime) -> dict[str, object]:

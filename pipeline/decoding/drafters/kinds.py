@@ -3,9 +3,9 @@
 Code that depends on a drafter's nature asks this table instead of comparing its name with a
 string. The session asks a sampling drafter for the chain that pays (`Controller.budget`); the
 orchestrator and the audit read which steps carry the draft rows p(x) that the acceptance rule
-used (`samples`); admission refuses a drafter whose draft model is not configured
-(`needs_draft_model`); the draft lane leaves out drafters that read the target's hidden states
-(`needs_features`), which it does not have.
+used (`samples`); admission refuses a drafter whose draft model or head is not configured
+(`needs_draft_model`, `needs_head`); the orchestrator asks the verify lane for the target's features
+for a request whose drafter reads them (`reads_features`), and passes them on to the draft lane.
 
 How each kind is built lives in `registry.py`, keyed by the same names. This module is kept apart
 and imports nothing, so the session, the cost model and the audit can read it without loading
@@ -68,7 +68,7 @@ def samples(name: str) -> bool:
 
 
 def needs_features(name: str) -> bool:
-    """Whether `name` reads the target's hidden states (it cannot run in a separate draft lane)."""
+    """Whether `name` reads the target's hidden states (in a pipeline, the verify lane sends them)."""
     declared = KINDS.get(name)
     return declared is not None and declared.needs_features
 
@@ -95,3 +95,8 @@ def parts(name: str, *, draft_model: bool, head: bool = False) -> tuple[str, ...
     return tuple(
         m for m in members if (draft_model or not needs_draft_model(m)) and (head or not needs_head(m))
     )
+
+
+def reads_features(name: str, *, draft_model: bool, head: bool) -> bool:
+    """Whether drafting `name` reads the target's features: it, or one of a composite's `parts`, does."""
+    return any(needs_features(part) for part in parts(name, draft_model=draft_model, head=head))
