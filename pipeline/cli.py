@@ -209,6 +209,10 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     gen.add_argument(
         "--draft-model", metavar="PATH", help="smaller GGUF with the same vocabulary (--drafter model)"
     )
+    gen.add_argument(
+        "--draft-head", metavar="PATH",
+        help="a draft head for --drafter learned and auto (default: the one found for the model)",
+    )  # fmt: skip
     gen.add_argument("--k", default="auto", help="draft tokens per step: a number 0-32, or auto (default)")
     gen.add_argument("--max-iterations", type=int, default=None, help="end the request after this many steps")
     gen.add_argument(
@@ -318,6 +322,8 @@ def speculation_args(args: argparse.Namespace) -> Speculation:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pipeline.decoding.drafters.registry import make_draft_source
     from pipeline.decoding.speculative import decode
+    from pipeline.model import default_model_path
+    from pipeline.model.draft_head import head_for
     from pipeline.model.prompts import load_messages, prompt_tokens
 
     params = _sampling(args)
@@ -325,7 +331,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     messages = load_messages(args.messages) if args.messages else None
     model = load_model(args.model, args.backend)
     draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
-    source = make_draft_source(speculation.drafter, model, draft_model)
+    head = head_for(args.model or default_model_path(), model.cfg, model.embed, args.draft_head)
+    source = make_draft_source(speculation.drafter, model, draft_model, head)
     assert model.tokenizer is not None
     prompt = prompt_tokens(model.tokenizer, args.prompt, chat=args.chat, messages=messages)
 

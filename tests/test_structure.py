@@ -16,7 +16,8 @@ LAYERS = [
     ("pipeline.decoding",),
     ("pipeline.protocol",),
     ("pipeline.workers", "pipeline.orchestration", "pipeline.audit", "pipeline.api", "pipeline.service"),
-    ("pipeline.bench", "pipeline.training"),
+    ("pipeline.training",),
+    ("pipeline.bench",),
     ("pipeline.cli",),
     ("lanes",),
 ]

@@ -19,9 +19,7 @@ def tiny_settings(**overrides) -> TrainSettings:
     return TrainSettings(**{**base, **overrides})
 
 
-def make_tiny_head(
-    model: Runtime, model_path: Path, root: Path, prompt_count: int = 24
-) -> tuple[Path, dict]:
+def make_tiny_head(model: Runtime, model_path: Path, root: Path, prompt_count: int = 24) -> tuple[Path, dict]:
     """Distil and train a head for `model`; returns its file and the training record."""
     assert model.tokenizer is not None
     quiet = {"max_new": 24, "batch": 8, "report": lambda _: None}

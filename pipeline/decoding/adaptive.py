@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.decoding.drafters.kinds import samples
+from pipeline.decoding.drafters.kinds import paid_per_draft
 from pipeline.decoding.tree import chain, depths
 
 K_LIMIT = 32
@@ -167,18 +167,19 @@ class Controller:
     costs: RowCosts = field(default_factory=RowCosts)
     acceptance: dict[str, DepthAcceptance] = field(default_factory=dict)  # per drafter (`Proposal.drafter`)
     overhead: float = 0.05  # per-step seconds outside the forward, over t(1) (EWMA)
-    draft_per_token: float = 0.0  # a sampling drafter's seconds per draft token, over t(1) (EWMA)
+    draft_per_token: float = 0.0  # a paid drafter's seconds per draft token, over t(1) (EWMA)
     smoothing: float = 0.2
     _plain_steps: int = 0
     _probe_after: int = 4
 
     def budget(self, drafter: str) -> int:
         """How many nodes to ask `drafter` for. A free drafter gets all it may give, and the cut
-        decides. A sampling drafter (`kinds.samples`) gets the chain length that pays, because each
-        of its drafts costs a forward. Its chains carry its own name, so its calibration is used."""
+        decides. A drafter whose drafts each cost a forward (`kinds.paid_per_draft`: a draft model, a
+        learned head) gets the chain length that pays. Its chains carry its own name, so its
+        calibration is used."""
         if self.fixed is not None:
             return self.fixed
-        if not samples(drafter):
+        if not paid_per_draft(drafter):
             return self.k_max
         probs = node_probabilities(chain(self.k_max), [1.0] * self.k_max, self.depths(drafter))
         best = self._best_count(probs, per_node=self.draft_per_token)
@@ -247,14 +248,14 @@ class Controller:
         return min(PROBE_NODES, cap, self.k_max)
 
     def observe(self, rows: int, verify_seconds: float, step_seconds: float, offered: Sequence[float],
-                accepted: int, sampling_drafts: int = 0, drafter: str = "") -> None:  # fmt: skip
+                accepted: int, paid_drafts: int = 0, drafter: str = "") -> None:  # fmt: skip
         """One verified step: its forward of `rows` rows took `verify_seconds` of `step_seconds`."""
         self.costs.observe(rows, verify_seconds)
         one = self.costs.seconds.get(1, verify_seconds)
         if one > 0:
             extra = max(0.0, step_seconds / one - self.costs.ratio(rows))
-            if sampling_drafts:
-                per = extra / sampling_drafts
+            if paid_drafts:
+                per = extra / paid_drafts
                 self.draft_per_token += self.smoothing * (per - self.draft_per_token)
             else:
                 self.overhead += self.smoothing * (extra - self.overhead)

@@ -13,6 +13,7 @@ import numpy as np
 from pipeline.decoding.acceptance import Verdict
 from pipeline.decoding.adaptive import Controller
 from pipeline.decoding.drafters import EMPTY, Proposal
+from pipeline.decoding.drafters.kinds import paid_per_draft
 from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.output import OutputStream
 from pipeline.decoding.result import Result, RunStats
@@ -167,13 +168,13 @@ class Session:
         depth, offered = step_shape(draft.parents, draft.shares, len(draft.tokens), verdict.path)
         return self.record(
             len(draft.tokens), verdict.tokens, verdict.accepted, draft_s, verify_s, depth=depth,
-            offered=offered, sampled_drafts=len(draft.tokens) if draft.probs is not None else 0,
+            offered=offered, paid_drafts=len(draft.tokens) if paid_per_draft(draft.drafter) else 0,
             drafter=draft.drafter, logprobs=logprobs,
         )  # fmt: skip
 
     def record(
         self, drafted: int, emitted: Sequence[int], accepted: int, draft_s: float, verify_s: float,
-        *, depth: int | None = None, offered: Sequence[float] | None = None, sampled_drafts: int = 0,
+        *, depth: int | None = None, offered: Sequence[float] | None = None, paid_drafts: int = 0,
         drafter: str = "", logprobs: Sequence[TokenLogprobs] = (),
     ) -> str:  # fmt: skip
         """Book one verify pass of `drafted` nodes (`depth` levels; a chain if not given) and push
@@ -187,7 +188,7 @@ class Session:
         stats.draft_seconds += draft_s
         if drafted or controller.fixed is None:
             seconds = (verify_s, draft_s + verify_s)
-            controller.observe(drafted + 1, *seconds, offered, accepted, sampled_drafts, drafter)
+            controller.observe(drafted + 1, *seconds, offered, accepted, paid_drafts, drafter)
         text = []
         for i, token in enumerate(emitted):
             text.append(self.out.push(token))

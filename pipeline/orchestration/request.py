@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.decoding.drafters import EMPTY, Proposal
-from pipeline.decoding.drafters.kinds import samples
+from pipeline.decoding.drafters.kinds import paid_per_draft
 from pipeline.decoding.result import Result
 from pipeline.decoding.session import Session
 from pipeline.decoding.tree import chain, check, select, step_shape
@@ -299,7 +299,7 @@ class RequestMachine:
             text = session.record(
                 record.drafted, record.tokens, record.accepted, record.draft_seconds, record.verify_seconds,
                 depth=record.depth, offered=record.offered, drafter=record.drafter,
-                sampled_drafts=record.drafted if samples(record.drafter) else 0, logprobs=record.logprobs,
+                paid_drafts=record.drafted if paid_per_draft(record.drafter) else 0, logprobs=record.logprobs,
             )  # fmt: skip
         self.step, self.draws = record.step, record.draws
         self._emit(text, before)

@@ -33,6 +33,9 @@ class DrafterKind:
     needs_features: bool = False  # reads the target's hidden states: it runs next to the target
     needs_draft_model: bool = False  # drafts with a smaller model (`model.draft_path`, `--draft-model`)
     needs_head: bool = False  # drafts with a trained head (`model.draft_head`; `drafter train`)
+    # Each draft costs the drafter a forward (a draft model's, a head's): the controller asks it for
+    # the chain length that pays (`Controller.budget`), and times its drafts per token.
+    paid_per_draft: bool = False
     # A composite: these kinds tried in order, cheapest first. A member that needs a draft model is
     # left out when none is given. A composite's own label marks only its merged trees, which come
     # from its deterministic members; a member's chain keeps that member's label.
@@ -45,8 +48,8 @@ KINDS: dict[str, DrafterKind] = {
         DrafterKind("none"),
         DrafterKind("ngram"),
         DrafterKind("suffix"),
-        DrafterKind("learned", needs_features=True, needs_head=True),
-        DrafterKind("model", samples=True, needs_draft_model=True),
+        DrafterKind("learned", needs_features=True, needs_head=True, paid_per_draft=True),
+        DrafterKind("model", samples=True, needs_draft_model=True, paid_per_draft=True),
         DrafterKind("auto", members=("ngram", "suffix", "learned", "model")),
     )
 }
@@ -77,6 +80,12 @@ def needs_draft_model(name: str) -> bool:
     """Whether `name` cannot draft without a draft model."""
     declared = KINDS.get(name)
     return declared is not None and declared.needs_draft_model
+
+
+def paid_per_draft(name: str) -> bool:
+    """Whether each of `name`'s drafts costs it a forward (see `DrafterKind`)."""
+    declared = KINDS.get(name)
+    return declared is not None and declared.paid_per_draft
 
 
 def needs_head(name: str) -> bool:

@@ -12,8 +12,12 @@ are dropped after each proposal. Where features are missing (a draft lane restar
 no history), the head starts from the first position it has a feature for: its attention then
 sees a shorter history, which costs acceptance, never correctness.
 
-Draft tokens are the head's argmax, not samples: a deterministic drafter, so seeded output stays
-identical to plain seeded decoding. Each node's share is the head's probability of it.
+Draft tokens are the head's choices, not samples: a deterministic drafter, so seeded output stays
+identical to plain seeded decoding. Asked for a chain, it drafts the head's argmax up to k deep,
+while the head gives the path at least MIN_PATH (and the controller's floor); asked
+for a tree, each chain node also gets the head's runner-up beside it as a leaf (a row the verifier
+pays for, with no head step). Each node's share is the head's probability of it, which the
+controller weighs against the rows' cost (`Controller.cut`).
 """
 
 from __future__ import annotations
@@ -22,16 +26,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.decoding.drafters import EMPTY, Proposal
+from pipeline.decoding.drafters import EMPTY, Candidates, Proposal
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.model.draft_head import DraftHead
 
+# Draft no deeper than where the head gives the path this chance: a draft costs a head step (about
+# a tenth of a target forward for the default model) plus a verify row, and earns its chance.
+MIN_PATH = 0.15
 
-def softmax_top(logits: np.ndarray) -> tuple[int, float]:
-    """The likeliest draft-vocabulary index and its probability."""
-    best = int(np.argmax(logits))
+
+def top_two(logits: np.ndarray) -> tuple[tuple[int, float], tuple[int, float]]:
+    """The two likeliest draft-vocabulary indices, each with its probability."""
+    second, best = (int(i) for i in np.argpartition(logits, -2)[-2:])
+    if logits[second] > logits[best]:
+        best, second = second, best
     z = np.exp(logits.astype(np.float64) - float(logits[best]))
-    return best, float(1.0 / z.sum())
+    total = z.sum()
+    return (best, float(1.0 / total)), (second, float(z[second] / total))
 
 
 class LearnedDrafter:
@@ -81,17 +92,50 @@ class LearnedDrafter:
             feature, rows = self.head.step(self.cache, [int(context[p + 1])], feature)
             last = rows[-1]
         drafts: list[int] = []
+        parents: list[int] = []
         shares: list[float] = []
-        for _ in range(k):
-            index, share = softmax_top(last)
-            drafts.append(int(self.head.vocab[index]))
-            shares.append(share)
-            if len(drafts) == k:
+        chain_end, path = -1, 1.0  # the chain's last node (-1: the root) and the head's odds of reaching it
+        while len(drafts) < k:
+            (best, p_best), (second, p_second) = top_two(last)
+            path *= p_best
+            if path < max(floor, MIN_PATH):
                 break
-            feature, rows = self.head.step(self.cache, [drafts[-1]], feature)
+            node = len(drafts)
+            drafts.append(int(self.head.vocab[best]))
+            parents.append(chain_end)
+            shares.append(p_best)
+            if tree and len(drafts) < k:  # the runner-up as a leaf beside it: one more row, no head step
+                drafts.append(int(self.head.vocab[second]))
+                parents.append(chain_end)
+                shares.append(p_second)
+            chain_end = node
+            if len(drafts) >= k:
+                break
+            feature, rows = self.head.step(self.cache, [drafts[node]], feature)
             last = rows[-1]
         self.cache.truncate(len(self.row_tokens))  # predicted rows are dropped; true rows kept
-        return Proposal(drafts, None, self.name, None, shares)
+        if not drafts:
+            return EMPTY
+        return Proposal(drafts, None, self.name, parents if tree else None, shares)
+
+    def candidates(self, context: Sequence[int], k: int, floor: float = 0.0) -> Candidates:
+        """The tree `propose` would draft, as weighted continuations (`drafters.Candidates`), so that
+        `auto` merges them with the n-gram and suffix drafters' own: a node's path ends there with
+        the weight the head gives the path, less what its children take."""
+        proposal = self.propose(context, k, tree=True)
+        parents = proposal.parents or list(range(-1, len(proposal.tokens) - 1))
+        shares = proposal.shares or [1.0] * len(parents)
+        weight, paths = [], []
+        for node, parent in enumerate(parents):
+            weight.append(shares[node] * (weight[parent] if parent >= 0 else 1.0))
+            paths.append([*(paths[parent] if parent >= 0 else []), proposal.tokens[node]])
+        ends = list(weight)
+        for node, parent in enumerate(parents):
+            if parent >= 0:
+                ends[parent] -= weight[node]
+        if not weight or weight[0] < floor:  # node 0 is the likeliest first token
+            return []
+        return [(path, end) for path, end in zip(paths, ends, strict=True) if end > 0]
 
     def accept(self, context: Sequence[int]) -> None:
         pass  # the context's new tokens come with their features, through observe
