@@ -198,3 +198,30 @@ def test_a_path_that_is_not_a_head_gets_a_clear_error(tmp_path):
     bad.write_bytes(b"not a zip")
     with pytest.raises(ModelFileError, match="not a draft head file"):
         read_head(Path(bad))
+
+
+@pytest.mark.slow
+def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers():
+    """The head in the repository (`pipeline/model/heads/`), as `auto` finds it for the default model:
+    small, made by `speclanes drafter train` (its record says how), and drafting the model's own
+    greedy continuation of a held-out chat prompt more often than not at depth 1."""
+    from pipeline.model import default_model_path
+    from pipeline.model.draft_head import SHIPPED
+
+    path = default_model_path()
+    shipped = SHIPPED / head_name(path)
+    assert shipped.is_file() and shipped.stat().st_size <= 16 * 2**20
+    _, meta = read_head(shipped)
+    assert meta["command"].startswith("speclanes drafter train") and meta["held_out_acceptance"]["chains"] > 0
+    model = load_model(path, "native")
+    head = load_head(shipped, model.cfg, model.embed, path)
+    prompt = chat_prompt(model, prompts("test")[5])
+    answer = decode(model, prompt, SamplingParams(max_tokens=48), NoDraftSource()).tokens
+    tokens = [*prompt, *answer]
+    features = features_of(model, tokens)
+    drafter, hits = LearnedDrafter(head), 0
+    for s in range(len(prompt), len(tokens) - 1):
+        drafter.observe(s - 1 if s > len(prompt) else 0, features[s - 1 : s] if s > len(prompt) else features[:s])
+        proposal = drafter.propose(tokens[: s + 1], 1)
+        hits += proposal.tokens[:1] == [tokens[s + 1]]
+    assert hits > (len(tokens) - 1 - len(prompt)) / 2

@@ -47,6 +47,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
 from pipeline.model import default_model_path, load_model, set_backend
+from pipeline.model.draft_head import head_for
 from pipeline.protocol.client import Client
 from pipeline.protocol.config import Config
 
@@ -97,7 +98,10 @@ def single_stream(
 
     The in-process `auto` source lives for the whole run, like the draft lane's: both
     cross-request caches are fed by the same requests in the same order."""
-    sources = {name: make_draft_source(name, model) for name in drafters}
+    # The in-process twin drafts with the head the pipeline found (`model.draft_head`: the same lookup).
+    path = config.model.path or default_model_path()
+    head = head_for(path, model.cfg, model.embed, config.model.draft_head or None)
+    sources = {name: make_draft_source(name, model, None, head) for name in drafters}
     runs: dict = {w: {d: {"in_process": [], "pipeline": []} for d in drafters} for w in WORKLOADS}
     with Client(config.addresses.client, timeout=60.0) as client:
         warm = SamplingParams(max_tokens=16, ignore_eos=True)

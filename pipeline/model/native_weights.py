@@ -122,10 +122,15 @@ def split_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantBlo
 
 
 def quantize_q8_0(w: np.ndarray) -> QuantBlocks:
+    return quantize_blocks(w, "Q8_0")
+
+
+def quantize_blocks(w: np.ndarray, kind: str) -> QuantBlocks:
+    """float32 rows as ggml's `kind` blocks (gguf-py's reference quantizer), parsed as the file's."""
     import gguf
 
-    raw = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
-    return split_blocks(raw, "Q8_0", w.shape)
+    raw = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType[kind])
+    return split_blocks(raw, kind, w.shape)
 
 
 def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:

@@ -50,20 +50,42 @@ class TorchHead(nn.Module):
 
     def forward(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """(B, T, d) next-token embeddings and features -> (B, T, d) predicted next features."""
+        return self.run(embedded, features)[0]
+
+    def run(
+        self, embedded: torch.Tensor, features: torch.Tensor, context: tuple | None = None
+    ) -> tuple[torch.Tensor, tuple]:
+        """`forward`, and the rows' rotated keys and values. With `context` (another pass's keys and
+        values), row p attends to that pass's rows before p and to itself: a row drafted from a
+        predicted feature, over a history of true ones, as the head drafts its second token."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         b, t, _ = embedded.shape
         x = torch.cat([embedded, features], dim=-1) @ self.fc.T
         h = rms_norm(x, self.attn_norm, eps)
-        q = (h @ self.wq.T).view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-        k = (h @ self.wk.T).view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = self.rope((h @ self.wq.T).view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2))
+        k = self.rope((h @ self.wk.T).view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2))
         v = (h @ self.wv.T).view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         group = cfg.n_heads // cfg.n_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        attn = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        if context is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            attn = self.attend_after(q, k, v, *context)
         x = x + attn.transpose(1, 2).reshape(b, t, -1) @ self.wo.T
         h = rms_norm(x, self.ffn_norm, eps)
         x = x + (F.silu(h @ self.w_gate.T) * (h @ self.w_up.T)) @ self.w_down.T
-        return rms_norm(x, self.out_norm, eps)
+        return rms_norm(x, self.out_norm, eps), (k, v)
+
+    def attend_after(self, q, k, v, k_ctx, v_ctx) -> torch.Tensor:
+        """Row p's attention over the context rows before p and its own key (B, H, T, hd)."""
+        t = q.shape[2]
+        scale = self.cfg.head_dim**-0.5
+        scores = (q @ k_ctx.transpose(-1, -2)) * scale
+        before = torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-1)
+        scores = scores.masked_fill(~before, float("-inf"))
+        own = (q * k).sum(-1, keepdim=True) * scale
+        weights = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1)
+        return weights[..., :t] @ v_ctx + weights[..., t:] * v
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The weights as `draft_head.save_head` stores them."""

@@ -16,6 +16,7 @@ class TrainSettings:
     feature_weight: float = 1.0
     token_weight: float = 0.1
     noise: float = 0.1  # uniform noise on input features, times each row's RMS
+    second_step: float = 1.0  # weight of the second draft's losses (rows reading predicted features)
     seed: int = 0
     threads: int = 0  # torch threads (0: torch's default)
     checkpoint_every: int = 200  # steps between checkpoints (and one at the end)

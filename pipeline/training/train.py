@@ -76,20 +76,34 @@ def collate(sequences, indices: list[int], embed: np.ndarray, device: str):
     return tuple(torch.from_numpy(a).to(device) for a in (emb, feat, goal, mask))
 
 
+def row_losses(pred: torch.Tensor, goal: torch.Tensor, mask: torch.Tensor, out_rows: torch.Tensor):
+    """(feature loss, token loss, top-1 agreement), each averaged over the rows `mask` keeps."""
+    weight = mask.sum().clamp(min=1)
+    feature_loss = (F.smooth_l1_loss(pred, goal, reduction="none").mean(-1) * mask).sum() / weight
+    target_logits, logits = goal @ out_rows.T, pred @ out_rows.T
+    token_loss = (-(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1) * mask).sum()
+    agree = (logits.argmax(-1) == target_logits.argmax(-1)).float()
+    return feature_loss, token_loss / weight, (agree * mask).sum() / weight
+
+
 def loss_of(head: TorchHead, batch, out_rows: torch.Tensor, s: TrainSettings, train: bool):
+    """The first draft's losses, and with `s.second_step` the second's: rows that read the feature
+    the first pass predicted, attending to the true rows before them (as the head drafts)."""
     emb, feat, goal, mask = batch
     if train and s.noise > 0:
         scale = feat.pow(2).mean(-1, keepdim=True).sqrt()
         feat = feat + (torch.rand_like(feat) - 0.5) * 2 * s.noise * scale
-    pred = head(emb, feat)
-    weight = mask.sum().clamp(min=1)
-    feature_loss = (F.smooth_l1_loss(pred, goal, reduction="none").mean(-1) * mask).sum() / weight
-    target = torch.softmax(goal @ out_rows.T, dim=-1)
-    logp = torch.log_softmax(pred @ out_rows.T, dim=-1)
-    token_loss = (-(target * logp).sum(-1) * mask).sum() / weight
-    agree = ((pred @ out_rows.T).argmax(-1) == (goal @ out_rows.T).argmax(-1)).float()
-    accuracy = (agree * mask).sum() / weight
-    return s.feature_weight * feature_loss + s.token_weight * token_loss, feature_loss, token_loss, accuracy
+    pred, context = head.run(emb, feat)
+    feature_loss, token_loss, accuracy = row_losses(pred, goal, mask, out_rows)
+    loss = s.feature_weight * feature_loss + s.token_weight * token_loss
+    if train and s.second_step > 0:
+        drafted = torch.cat([feat[:, :1], pred.detach()[:, :-1]], dim=1)  # row p reads pred row p - 1
+        second, _ = head.run(emb, drafted, context=tuple(c.detach() for c in context))
+        later = mask.clone()
+        later[:, 0] = 0
+        f2, t2, _ = row_losses(second, goal, later, out_rows)
+        loss = loss + s.second_step * (s.feature_weight * f2 + s.token_weight * t2)
+    return loss, feature_loss, token_loss, accuracy
 
 
 def train(
@@ -112,8 +126,11 @@ def train(
     total = sum(len(p) for p in plan)
     checkpoint = out / "checkpoint.pt"
     step, seconds = 0, 0.0
-    if checkpoint.exists():
-        state = torch.load(checkpoint, map_location=device)
+    state = torch.load(checkpoint, map_location=device) if checkpoint.exists() else None
+    if state is not None and state.get("settings") != asdict(settings):
+        report("train: the checkpoint was made with other settings; starting over")
+        state = None
+    if state is not None:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, seconds = state["step"], state["seconds"]
@@ -140,7 +157,8 @@ def train(
                    f"token {token_loss.item():.3f}) top-1 {acc.item():.3f}, {elapsed:.0f} s")  # fmt: skip
         if (i + 1) % settings.checkpoint_every == 0 or i + 1 == total:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": i + 1,
-                        "seconds": time.perf_counter() - start}, checkpoint)  # fmt: skip
+                        "seconds": time.perf_counter() - start, "settings": asdict(settings)},
+                       checkpoint)  # fmt: skip
     elapsed = time.perf_counter() - start
     with torch.no_grad():
         accs = [loss_of(head, collate(held_out, b, embed, device), out_rows, settings, False)[3].item()

@@ -51,42 +51,56 @@ class LearnedDrafter:
     def __init__(self, head: DraftHead) -> None:
         self.head = head
         self.cache = head.new_cache(capacity=64)
-        self.base = 0  # the first position with a known feature
-        self.features = np.empty((0, head.cfg.d_model), np.float32)  # positions base, base + 1, ...
-        self.row_tokens: list[int] = []  # the token each cached (true) row read, rows base, base + 1, ...
+        self.base = 0  # the position of the head's row 0
+        self.row_tokens: list[int] = []  # the token each cached (true) row read: rows base, base + 1, ...
+        # The features of positions feat_at, feat_at + 1, ...: those not fed to the head yet, and the
+        # last fed row's (a proposal with nothing new to feed feeds that row again for its prediction).
+        self.feat_at = 0
+        self.features = np.empty((0, head.cfg.d_model), np.float32)
 
     def observe(self, position: int, rows: np.ndarray) -> None:
         """The target's features at positions [position, position + len(rows))."""
-        known = self.base + len(self.features)
         rows = np.asarray(rows, np.float32).reshape(-1, self.head.cfg.d_model)
+        known = self.feat_at + len(self.features)
         if position > known or position < self.base:  # a gap, or history from before ours: start over
-            self.base, self.features = position, rows.copy()
+            self.base = self.feat_at = position
+            self.features = rows.copy()
             self._drop_rows(0)
             return
-        self.features = np.concatenate([self.features[: position - self.base], rows])
+        if position < self.feat_at:  # re-sent from before the features kept: they replace them
+            self.feat_at, self.features = position, rows.copy()
+        else:
+            self.features = np.concatenate([self.features[: position - self.feat_at], rows])
         self._drop_rows(min(len(self.row_tokens), position - self.base))
 
     def _drop_rows(self, rows: int) -> None:
         del self.row_tokens[rows:]
         self.cache.truncate(rows)
 
+    def _forget_fed(self) -> None:
+        """Keep the features from the last fed row on."""
+        keep_from = max(self.feat_at, self.base + len(self.row_tokens) - 1)
+        self.features = self.features[keep_from - self.feat_at :]
+        self.feat_at = keep_from
+
     def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
         n = len(context) - 1  # the pending token's position
-        true_end = min(self.base + len(self.features), n)  # rows base..true_end-1 read true features
+        true_end = min(self.feat_at + len(self.features), n)  # rows base..true_end-1 read true features
         if k <= 0 or true_end <= self.base or len(context) + k > self.head.cfg.context_length:
             return EMPTY
-        cached = 0  # rows still valid: they read the tokens the context now has
-        while cached < len(self.row_tokens) and self.row_tokens[cached] == context[self.base + cached + 1]:
-            cached += 1
+        cached = len(self.row_tokens)  # valid while the newest cached row read the token the context has
+        if cached and self.row_tokens[-1] != context[self.base + cached]:
+            cached = 0  # another context (a replayed step): rebuild from the features kept
+        cached = min(cached, true_end - self.base - 1)  # at least one row to feed, for its prediction
+        start = self.base + cached
+        if start < self.feat_at:  # its features are gone: draft from those kept instead
+            self.base, cached, start = self.feat_at, 0, self.feat_at
         self._drop_rows(cached)
-        if cached == true_end - self.base:  # nothing new to feed: refeed the last row for its prediction
-            self._drop_rows(cached - 1)
-            cached -= 1
-        positions = range(self.base + cached, true_end)
-        tokens = [int(context[p + 1]) for p in positions]
-        known = self.features[positions.start - self.base : positions.stop - self.base]
+        tokens = [int(t) for t in context[start + 1 : true_end + 1]]
+        known = self.features[start - self.feat_at : true_end - self.feat_at]
         predicted, logits = self.head.step(self.cache, tokens, known)
         self.row_tokens.extend(tokens)
+        self._forget_fed()
         feature, last = predicted[-1:], logits[-1]
         for p in range(true_end, n):  # context tokens past the known features: read predictions
             feature, rows = self.head.step(self.cache, [int(context[p + 1])], feature)
