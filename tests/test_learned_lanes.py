@@ -21,6 +21,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from pipeline.audit.store import AuditStore
+from pipeline.audit.verify import verify_request
 from pipeline.decoding.drafters import NoDraftSource, Proposal
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.result import Result
@@ -361,10 +363,12 @@ def test_a_pipeline_serves_learned_and_auto_exactly_through_lane_kills(tiny, tmp
         return decode(model, prompt, params, NoDraftSource(), k=0).tokens
 
     with running_pipeline(tmp_path / "run", settings) as pipeline, pipeline.client() as client:
+        served = []
         for drafter in ("learned", "auto"):
             for params in (GREEDY, SEEDED):
                 done = client.complete(prompt_text(), chat=True, params=params, drafter=drafter, k=4)
                 assert done.tokens == plain(params) and done.stats.drafted > 0, (drafter, params)
+                served.append(done.request_id)
         long = SamplingParams(temperature=0.8, seed=9, max_tokens=300, ignore_eos=True)
         for lane in ("draft", "verify"):
             pid = pipeline.lane(lane).pid
@@ -372,6 +376,15 @@ def test_a_pipeline_serves_learned_and_auto_exactly_through_lane_kills(tiny, tmp
             assert done.error is None and done.stats.drafted > 0, done
             assert done.tokens == plain(long) and killed_at < len(done.tokens) - 100, (lane, killed_at)
             pipeline.wait_lane_up(lane, pid)
+            served.append(done.request_id)
+        for request_id in served:  # the audit trail proves each, kills included
+            pipeline.summary(request_id)
+            store = AuditStore(pipeline.config.audit.path, readonly=True)
+            try:
+                events = store.events(request_id)
+            finally:
+                store.close()
+            assert verify_request(request_id, events, model, None).verdict == "pass", request_id
 
 
 def stream_through_a_kill(client, pid: int | None, params: SamplingParams) -> tuple[Result, int]:
