@@ -220,8 +220,9 @@ def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers
     tokens = [*prompt, *answer]
     features = features_of(model, tokens)
     drafter, hits = LearnedDrafter(head), 0
-    for s in range(len(prompt), len(tokens) - 1):
-        drafter.observe(s - 1 if s > len(prompt) else 0, features[s - 1 : s] if s > len(prompt) else features[:s])
+    drafter.observe(0, features[: len(prompt) - 1])
+    for s in range(len(prompt), len(tokens) - 1):  # the pending token at s: features up to s - 1
+        drafter.observe(s - 1, features[s - 1 : s])
         proposal = drafter.propose(tokens[: s + 1], 1)
         hits += proposal.tokens[:1] == [tokens[s + 1]]
     assert hits > (len(tokens) - 1 - len(prompt)) / 2
