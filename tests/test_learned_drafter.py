@@ -201,10 +201,11 @@ def test_a_path_that_is_not_a_head_gets_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers():
+def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers(monkeypatch):
     """The head in the repository (`pipeline/model/heads/`), as `auto` finds it for the default model:
     small, made by `speclanes drafter train` (its record says how), and drafting the model's own
-    greedy continuation of a held-out chat prompt more often than not at depth 1."""
+    greedy continuation of a held-out chat prompt at depth 1 more often than not (its held-out rate
+    is about 0.55, where an untrained head's is about 0)."""
     from pipeline.model import default_model_path
     from pipeline.model.draft_head import SHIPPED
 
@@ -219,6 +220,7 @@ def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers
     answer = decode(model, prompt, SamplingParams(max_tokens=48), NoDraftSource()).tokens
     tokens = [*prompt, *answer]
     features = features_of(model, tokens)
+    monkeypatch.setattr(learned, "MIN_PATH", 0.0)  # its first choice, however unsure
     drafter, hits = LearnedDrafter(head), 0
     drafter.observe(0, features[: len(prompt) - 1])
     for s in range(len(prompt), len(tokens) - 1):  # the pending token at s: features up to s - 1
