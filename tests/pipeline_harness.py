@@ -91,6 +91,15 @@ class Pipeline:
                 raise AssertionError(f"no summary of {request_id} in the audit store")
             time.sleep(0.1)
 
+    def events(self, request_id: str) -> list:
+        """Every audit event of a finished request, once its closing record is in the store."""
+        self.summary(request_id)
+        store = AuditStore(self.config.audit.path, readonly=True)
+        try:
+            return store.events(request_id)
+        finally:
+            store.close()
+
     def child_pids(self) -> list[int]:
         return [lane.pid for lane in self.status().lanes if lane.pid]
 

@@ -26,7 +26,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.audit.store import AuditStore
 from pipeline.audit.verify import verify_request
 from pipeline.bench.common import WORKLOADS
 from pipeline.decoding.drafters.kinds import needs_head
@@ -153,12 +152,7 @@ def test_token_trees_are_verified_through_the_lanes_and_audited(
     with pipeline.client() as client:
         done = client.complete(WORKLOADS["code"], chat=True, params=params, drafter=drafter, k=8)
     assert done.tokens == _reference(WORKLOADS["code"], params, "none", 0).tokens
-    pipeline.summary(done.request_id)
-    store = AuditStore(pipeline.config.audit.path, readonly=True)
-    try:
-        events = store.events(done.request_id)
-    finally:
-        store.close()
+    events = pipeline.events(done.request_id)
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert any(s.parents is not None and len(set(s.parents)) < len(s.parents) for s in steps)
     assert verify_request(done.request_id, events, _served_model(), None).verdict == "pass"
@@ -286,13 +280,7 @@ def test_a_verify_lane_killed_mid_stream_of_a_structured_request_changes_nothing
         ),
         what="the verify lane restarted and the audit outbox empty",
     )
-    pipeline.summary(request_id)
-    store = AuditStore(pipeline.config.audit.path, readonly=True)
-    try:
-        events = store.events(request_id)
-    finally:
-        store.close()
-    assert verify_request(request_id, events, _served_model(), None).verdict == "pass"
+    assert verify_request(request_id, pipeline.events(request_id), _served_model(), None).verdict == "pass"
 
 
 def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None:

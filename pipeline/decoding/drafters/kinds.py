@@ -64,34 +64,35 @@ def kind(name: str) -> DrafterKind:
         raise ValueError(f"unknown drafter {name!r} (choose from {', '.join(DRAFTERS)})") from None
 
 
+def _declares(name: str, what: str) -> bool:
+    """Whether `name` is a kind declaring `what`: a label no kind declares declares nothing."""
+    declared = KINDS.get(name)
+    return declared is not None and bool(getattr(declared, what))
+
+
 def samples(name: str) -> bool:
     """Whether drafts labelled `name` were sampled, with rows p sent along (see `DrafterKind`)."""
-    declared = KINDS.get(name)
-    return declared is not None and declared.samples
+    return _declares(name, "samples")
 
 
 def needs_features(name: str) -> bool:
     """Whether `name` reads the target's hidden states (in a pipeline, the verify lane sends them)."""
-    declared = KINDS.get(name)
-    return declared is not None and declared.needs_features
+    return _declares(name, "needs_features")
 
 
 def needs_draft_model(name: str) -> bool:
     """Whether `name` cannot draft without a draft model."""
-    declared = KINDS.get(name)
-    return declared is not None and declared.needs_draft_model
+    return _declares(name, "needs_draft_model")
 
 
 def paid_per_draft(name: str) -> bool:
     """Whether each of `name`'s drafts costs it a forward (see `DrafterKind`)."""
-    declared = KINDS.get(name)
-    return declared is not None and declared.paid_per_draft
+    return _declares(name, "paid_per_draft")
 
 
 def needs_head(name: str) -> bool:
     """Whether `name` cannot draft without a trained draft head."""
-    declared = KINDS.get(name)
-    return declared is not None and declared.needs_head
+    return _declares(name, "needs_head")
 
 
 def parts(name: str, *, draft_model: bool, head: bool = False) -> tuple[str, ...]:
