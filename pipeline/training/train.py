@@ -106,6 +106,17 @@ def loss_of(head: TorchHead, batch, out_rows: torch.Tensor, s: TrainSettings, tr
     return loss, feature_loss, token_loss, accuracy
 
 
+def resume(checkpoint: Path, head: TorchHead, opt, settings: TrainSettings, device: str) -> tuple[int, float]:
+    """Load `checkpoint` into the head and the optimizer if it was made with these settings; the
+    step it had reached and the seconds it had trained (0, 0.0: start over)."""
+    state = torch.load(checkpoint, map_location=device) if checkpoint.exists() else None
+    if state is None or state.get("settings") != asdict(settings):
+        return 0, 0.0
+    head.load_state_dict(state["head"])
+    opt.load_state_dict(state["opt"])
+    return state["step"], state["seconds"]
+
+
 def train(
     sequences: Sequences, held_out: Sequences, cfg: ModelConfig, embed: np.ndarray,
     output_rows: Callable[[np.ndarray], np.ndarray], eos: int | None, out: Path, settings: TrainSettings,
@@ -125,15 +136,8 @@ def train(
     plan = [batches(lengths, settings.batch_rows, rng) for _ in range(settings.epochs)]
     total = sum(len(p) for p in plan)
     checkpoint = out / "checkpoint.pt"
-    step, seconds = 0, 0.0
-    state = torch.load(checkpoint, map_location=device) if checkpoint.exists() else None
-    if state is not None and state.get("settings") != asdict(settings):
-        report("train: the checkpoint was made with other settings; starting over")
-        state = None
-    if state is not None:
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step, seconds = state["step"], state["seconds"]
+    step, seconds = resume(checkpoint, head, opt, settings, device)
+    if step:
         report(f"train: resumed at step {step}/{total}")
 
     def lr_at(i: int) -> float:
