@@ -103,10 +103,10 @@ def test_auto_chains_the_free_drafters_then_the_model_when_given(models):
     assert parts("auto", draft_model=False) == ("ngram", "suffix")
     assert parts("auto", draft_model=True) == ("ngram", "suffix", "model")
     assert parts("model", draft_model=False) == ("model",)
-    with_head = make_draft_source("auto", target, None, head)
-    assert isinstance(with_head, CompositeSource) and with_head.needs_features
-    assert [s.name for s in with_head.sources] == ["ngram", "suffix", "learned"]
-    assert parts("auto", draft_model=True, head=True) == ("ngram", "suffix", "learned", "model")
+    with_head = make_draft_source("auto", target, None, head)  # the head is asked for by name only
+    assert isinstance(with_head, CompositeSource) and not with_head.needs_features
+    assert [s.name for s in with_head.sources] == ["ngram", "suffix"]
+    assert parts("auto", draft_model=True, head=True) == ("ngram", "suffix", "model")
 
 
 def test_a_lane_serves_every_drafter_it_can_and_shares_their_parts(models):
@@ -117,9 +117,9 @@ def test_a_lane_serves_every_drafter_it_can_and_shares_their_parts(models):
     sources = make_draft_sources(target, draft, head)
     assert list(sources) == list(DRAFTERS)
     auto = sources["auto"]
-    assert isinstance(auto, CompositeSource) and auto.needs_features
-    # One cross-request suffix table, one head and one draft model source: the same objects as the named ones.
-    assert [id(s) for s in auto.sources] == [id(sources[n]) for n in ("ngram", "suffix", "learned", "model")]
+    assert isinstance(auto, CompositeSource)
+    # One cross-request suffix table, one draft model source: the same objects as the named ones.
+    assert [id(s) for s in auto.sources] == [id(sources[n]) for n in ("ngram", "suffix", "model")]
     # A single request's source shares nothing with another's.
     one, two = make_draft_source("auto", target), make_draft_source("auto", target)
     assert isinstance(one, CompositeSource) and isinstance(two, CompositeSource)
@@ -136,8 +136,9 @@ def test_a_lane_serves_a_drafter_that_reads_the_target_features(models, monkeypa
     assert needs_features("featured") and reads_features("featured", draft_model=False, head=False)
     assert "featured" in make_draft_sources(target)
     assert make_draft_source("featured", target).name == "ngram"
-    assert reads_features("auto", draft_model=False, head=True)
-    assert not reads_features("auto", draft_model=True, head=False)
+    monkeypatch.setitem(kinds.KINDS, "mix", DrafterKind("mix", members=("ngram", "featured")))
+    assert reads_features("mix", draft_model=False, head=False)
+    assert not reads_features("auto", draft_model=True, head=True)
     plain = ("none", "ngram", "suffix", "model")
     assert not any(reads_features(n, draft_model=True, head=True) for n in plain)
 

@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.decoding.drafters import NoDraftSource, learned
+from pipeline.decoding.drafters.composite import CompositeSource
 from pipeline.decoding.drafters.learned import LearnedDrafter, LearnedSource
+from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -60,13 +62,19 @@ def chat_prompt(model, text: str) -> list[int]:
     prompt=st.lists(st.integers(1, 200), min_size=1, max_size=30),
     temperature=st.sampled_from([0.0, 0.7, 1.3]),
     seed=st.integers(0, 2**31),
-    drafter=st.sampled_from(["learned", "auto"]),
+    drafter=st.sampled_from(["learned", "ngram+learned"]),
 )
 def test_output_equals_plain_decoding(tiny, prompt, temperature, seed, drafter):
+    """Alone, and merged with the n-gram drafter's trees in a composite (`LearnedDrafter.candidates`)."""
     model, _, head, _, _ = tiny
     params = SamplingParams(max_tokens=24, temperature=temperature, seed=seed)
     plain = decode(model, prompt, params, NoDraftSource())
-    drafted = decode(model, prompt, params, make_draft_source(drafter, model, None, head))
+    source = (
+        make_draft_source(drafter, model, None, head)
+        if drafter == "learned"
+        else CompositeSource([NgramSource(), LearnedSource(head)], drafter)
+    )
+    drafted = decode(model, prompt, params, source)
     assert drafted.tokens == plain.tokens
     assert drafted.stats.draft_failures == 0
 

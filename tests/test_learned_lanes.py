@@ -294,7 +294,7 @@ def finished(world: World, request_id: str) -> Result:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("drafter", ["learned", "auto"])
+@pytest.mark.parametrize("drafter", ["learned"])
 def test_through_the_lanes_the_drafter_sees_what_it_sees_in_process(tiny, params, drafter):
     """The same tokens as plain decoding; and since every feature arrives, the same drafts, step for
     step, as the in-process loop's: each draft request's features run up to the pending token."""
@@ -363,7 +363,7 @@ def test_a_pipeline_serves_learned_and_auto_exactly_through_lane_kills(tiny, tmp
 
     with running_pipeline(tmp_path / "run", settings) as pipeline, pipeline.client() as client:
         served = []
-        for drafter in ("learned", "auto"):
+        for drafter in ("learned",):
             for params in (GREEDY, SEEDED):
                 done = client.complete(prompt_text(), chat=True, params=params, drafter=drafter, k=4)
                 assert done.tokens == plain(params) and done.stats.drafted > 0, (drafter, params)
