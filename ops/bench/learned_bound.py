@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.bench.common import load_note
+from pipeline.decoding.adaptive import Controller
 from pipeline.decoding.drafters import learned
 from pipeline.model import default_model_path, load_model
 from pipeline.model.calibration import row_seconds
@@ -56,14 +57,16 @@ def main() -> int:
     held = [s for i, s in enumerate(load_shards(work / "held-out")) if not sampled(i)][: args.prompts]
     learned.MIN_PATH = 0.0  # every depth drafted: the bound picks the length
     measured = acceptance_by_depth(head, held, k=args.depth, stride=5)
-    curve = row_seconds(model)
-    ratio = [curve[r] / curve[0] for r in range(args.depth + 1)]  # ratio[n]: t(n + 1) / t(1)
-    h = measured["head_seconds_per_draft_token"] / curve[0]
+    costs = Controller().costs
+    costs.calibrate(row_seconds(model))  # measured at some row counts, interpolated between them
+    t1 = costs.seconds[1]
+    ratio = [costs.ratio(n + 1) for n in range(args.depth + 1)]  # ratio[n]: t(n + 1) / t(1)
+    h = measured["head_seconds_per_draft_token"] / t1
     a = measured["accepted_by_depth"]
     n, bound = best(a, ratio, h)
     n_perfect, perfect = best([1.0] * args.depth, ratio, h)
     print(json.dumps({
-        "cpu": cpu_name(), "load": load_note(), "head": str(head_path), "t1_ms": round(1e3 * curve[0], 3),
+        "cpu": cpu_name(), "load": load_note(), "head": str(head_path), "t1_ms": round(1e3 * t1, 3),
         "head_ms_per_draft": round(1e3 * measured["head_seconds_per_draft_token"], 3),
         "t(n+1)/t(1)": [round(r, 3) for r in ratio], "accepted_by_depth": a, "chains": measured["chains"],
         "bound": {"drafts": n, "speedup": round(bound, 3)},
