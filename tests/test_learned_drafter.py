@@ -236,3 +236,18 @@ def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers
         proposal = drafter.propose(tokens[: s + 1], 1)
         hits += proposal.tokens[:1] == [tokens[s + 1]]
     assert hits > (len(tokens) - 1 - len(prompt)) / 2
+
+
+@pytest.mark.parametrize("all_logits", [True, False])
+def test_asking_for_features_changes_no_logit(tiny, all_logits):
+    """A request whose drafter reads features shares forwards with others: the logits must be the
+    same bits whether the forward computed features or not, and the features the same whatever
+    the batch (row invariance)."""
+    model = tiny[0]
+    a, b = [1, 5, 9, 13, 2, 7], [3, 3, 8]
+    caches = [model.new_cache(16) for _ in range(4)]
+    plain = model.forward_batch([(caches[0], a), (caches[1], b)], all_logits=all_logits)
+    logits, features = model.forward_features([(caches[2], a), (caches[3], b)], all_logits=all_logits)
+    assert all(np.array_equal(x, y) for x, y in zip(plain, logits, strict=True))
+    alone = features_of(model, a + [0])[: len(a)]  # one sequence, and a row more, in its own forward
+    assert np.array_equal(features[0], alone) and len(features[1]) == len(b)
