@@ -249,5 +249,5 @@ def test_asking_for_features_changes_no_logit(tiny, all_logits):
     plain = model.forward_batch([(caches[0], a), (caches[1], b)], all_logits=all_logits)
     logits, features = model.forward_features([(caches[2], a), (caches[3], b)], all_logits=all_logits)
     assert all(np.array_equal(x, y) for x, y in zip(plain, logits, strict=True))
-    alone = features_of(model, a + [0])[: len(a)]  # one sequence, and a row more, in its own forward
+    alone = features_of(model, [*a, 0])[: len(a)]  # one sequence, and a row more, in its own forward
     assert np.array_equal(features[0], alone) and len(features[1]) == len(b)
