@@ -270,6 +270,8 @@ def test_ipc_addresses_are_unchanged_and_need_no_tls(tmp_path):
         ([], {"SPECLANES_SPECULATION_K": "33"}, "speculation.k must be 0..32"),
         (["restart.max_restarts=-1"], {}, "restart.max_restarts must be >= 0"),
         (["restart.within_seconds=0"], {}, "within_seconds > 0"),
+        (["gateway.default_max_tokens=-1"], {}, "gateway.default_max_tokens"),
+        ([], {"SPECLANES_GATEWAY_CORS_ORIGINS": "https://a.example"}, "gateway.cors_origins"),  # a list
     ],
 )
 def test_invalid_overrides_are_a_config_error(overrides, environ, problem):

@@ -31,6 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import __version__, cli
+from pipeline.api.openai import NO_MAX_TOKENS
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.logprobs import token_string
@@ -294,8 +295,9 @@ def test_openai_streaming_chat_equals_generate(pipeline, client, model, referenc
     )
     assert text == ref.text
     assert closing is not None and closing.choices[0].finish_reason == ref.finish_reason
-    assert closing.usage is not None and usage_chunk is not None and usage_chunk.usage == closing.usage
-    assert (closing.usage.prompt_tokens, closing.usage.completion_tokens) == (n_prompt, len(ref.tokens))
+    assert closing.usage is None and usage_chunk is not None and usage_chunk.usage is not None  # once
+    usage = usage_chunk.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (n_prompt, len(ref.tokens))
     speculation = closing.model_extra["speculation"]
     assert speculation["drafter"] == "ngram" and speculation["steps"] >= 1
     assert closing.id == f"chatcmpl-{speculation['request_id']}"
@@ -346,6 +348,17 @@ def test_openai_non_streaming_chat_and_text_completions_equal_generate(client, m
 
 
 @pytest.mark.slow
+def test_a_request_naming_no_max_tokens_runs_to_its_end_of_sequence(client, model, reference):
+    """As vLLM: no max_tokens is no cap (gateway.default_max_tokens is 0), where it once was 128."""
+    ref, _ = reference(CODE, max_tokens=NO_MAX_TOKENS)
+    assert ref.finish_reason == "stop" and len(ref.tokens) > 128  # the model goes on past 128 tokens
+    messages = [{"role": "user", "content": CODE}]
+    response = client.chat.completions.create(model=model, messages=messages, temperature=0)
+    assert response.choices[0].message.content == ref.text and response.choices[0].finish_reason == "stop"
+    assert response.usage is not None and response.usage.completion_tokens == len(ref.tokens)
+
+
+@pytest.mark.slow
 def test_curl_streams_server_sent_events(pipeline, model, reference, tmp_path):
     ref, _ = reference(PROMPTS[3], max_tokens=16)
     body = tmp_path / "body.json"
@@ -369,7 +382,8 @@ def test_curl_streams_server_sent_events(pipeline, model, reference, tmp_path):
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == ref.text
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason and "usage" in chunks[-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason
+    assert not any("usage" in c for c in chunks)  # no include_usage: no usage, as OpenAI's streams
 
 
 @pytest.mark.slow

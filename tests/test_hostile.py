@@ -73,6 +73,7 @@ def pipeline(open_parent: Path) -> Iterator[Pipeline]:
         "restart.initial_backoff=0.1",
         "timeouts.client_idle=10",
         "timeouts.poll_wait_max=1.0",  # a fuzzed poll for chunks that never come waits 1 s, not 10
+        "gateway.default_max_tokens=16",  # a fuzzed null max_tokens would run to the context's end
     ]
     with running_pipeline(open_parent / "run", settings_, {"SPECLANES_API_KEY": API_KEY}) as p:
         yield p

@@ -12,9 +12,9 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pipeline.api.openai import (
-    DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     DONE_EVENT,
+    NO_MAX_TOKENS,
     ApiError,
     Formatter,
     body_too_large,
@@ -69,7 +69,7 @@ def test_defaults_follow_openai_and_the_pipeline():
     submit = submit_of(completion(), False)
     p = submit.params
     assert p.temperature == DEFAULT_TEMPERATURE == 1.0  # OpenAI samples unless told otherwise
-    assert p.max_tokens == DEFAULT_MAX_TOKENS and p.top_k == 0 and p.top_p == 1.0 and p.seed is None
+    assert p.max_tokens == NO_MAX_TOKENS and p.top_k == 0 and p.top_p == 1.0 and p.seed is None
     assert p.stop == () and not p.ignore_eos
     assert (submit.prompt, submit.chat, submit.drafter, submit.k) == ("Once", False, None, None)
     assert submit_of(completion(stop="###", top_k=-1), False).params.stop == ("###",)
@@ -79,6 +79,16 @@ def test_defaults_follow_openai_and_the_pipeline():
     body = json.loads(completion())
     del body["model"]
     assert submit_of(json.dumps(body).encode(), False).prompt == "Once"
+
+
+def test_no_max_tokens_runs_to_the_end_unless_gateway_default_max_tokens_caps_it():
+    # As vLLM: to the end of sequence or of the context (the session ends it there, "length").
+    assert NO_MAX_TOKENS == 2**31 - 1
+    for body, is_chat in ((chat(), True), (completion(), False)):
+        assert to_submit(decode_request(body, is_chat), MODEL).params.max_tokens == NO_MAX_TOKENS
+        assert to_submit(decode_request(body, is_chat), MODEL, 64).params.max_tokens == 64
+    assert to_submit(decode_request(chat(max_tokens=300), True), MODEL, 64).params.max_tokens == 300
+    assert to_submit(decode_request(chat(max_completion_tokens=9), True), MODEL, 64).params.max_tokens == 9
 
 
 def test_max_completion_tokens_wins_over_max_tokens_in_chat():
@@ -179,6 +189,7 @@ def test_response_format_reaches_the_submit_as_its_canonical_text():
     ("fields", "param"),
     [
         ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),  # OpenAI's range is 0..2
         ({"top_p": 0}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"seed": -5}, "seed"),
@@ -219,7 +230,7 @@ def test_bad_fields_are_a_400_naming_the_field(fields, param):
 
 def test_neutral_values_of_unsupported_features_are_accepted():
     body = chat(n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[])
-    assert submit_of(body, True).params.max_tokens == DEFAULT_MAX_TOKENS
+    assert submit_of(body, True).params.max_tokens == NO_MAX_TOKENS
     assert submit_of(completion(best_of=1, echo=False, suffix=None), False).prompt == "Once"
     assert rejected(completion(echo=True), False).param == "echo"
 
@@ -321,11 +332,12 @@ def test_chat_stream_chunks_parse_as_openai_chunks():
     assert "".join(c.choices[0].delta.content or "" for c in parsed[:3]) == "Hi!"
     assert [c.choices[0].finish_reason for c in parsed[:4]] == [None, None, None, "stop"]
     last = parsed[3]
-    assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 3)
+    assert all(c.usage is None for c in parsed[:4])  # usage only in the include_usage chunk: counted once
     assert last.model_extra == {
         "speculation": {"request_id": "abc", "finish_reason": "stop", **msgspec.to_builtins(_done().stats)}
     }
-    assert parsed[4].choices == [] and parsed[4].usage is not None and parsed[4].usage.total_tokens == 6
+    assert parsed[4].choices == [] and parsed[4].usage is not None
+    assert (parsed[4].usage.prompt_tokens, parsed[4].usage.completion_tokens) == (3, 3)
 
 
 def test_text_completion_chunks_and_responses_parse_as_openai_objects():

@@ -86,10 +86,9 @@ def opening_chunks(fmt: Formatter, n: int) -> list[dict[str, Any]]:
 
 
 def closing_chunk(fmt: Formatter, done: Result, index: int) -> dict[str, Any]:
-    """Choice `index`'s last chunk: its finish_reason and stats. Its own usage is left out: a
-    client would take it for the request's (that comes with include_usage, summed)."""
-    chunk = indexed(fmt.closing(done), index)
-    return {key: value for key, value in chunk.items() if key != "usage"}
+    """Choice `index`'s last chunk: its finish_reason and stats, no usage (that comes with
+    include_usage, summed over the choices)."""
+    return indexed(fmt.closing(done), index)
 
 
 def usage_chunk(fmt: Formatter, results: list[Result]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -25,14 +25,17 @@ from pipeline.api.logprobs_format import LogprobsFormatter, requested
 from pipeline.decoding.grammar.format import ResponseFormatError, canonical_response_format
 from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
-from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.sampling import MAX_TOKENS_LIMIT, SamplingParams
 from pipeline.decoding.speculation import Speculation, SpeculationError
 from pipeline.observability.request_ids import RESPONSE_PREFIXES
 from pipeline.protocol.client import submit_message
 from pipeline.protocol.messages import Submit
 
-DEFAULT_MAX_TOKENS = 128  # when a request names none (as `speclanes generate`)
+# A request that names no max_tokens (and gateway.default_max_tokens is 0) runs to its end of sequence
+# or to the context's end, as vLLM's do: SamplingParams' largest value, which the context always cuts.
+NO_MAX_TOKENS = MAX_TOKENS_LIMIT
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a request that names no temperature samples
+MAX_TEMPERATURE = 2.0  # OpenAI refuses more
 
 
 # The orchestrator's ErrorReply kinds (and the client's "unavailable") as HTTP errors.
@@ -91,7 +94,7 @@ class SpeculationOptions(msgspec.Struct, forbid_unknown_fields=True):
 class _Request(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension (vLLM's spelling; -1 or 0 disables it)
     seed: int | None = None
@@ -157,9 +160,12 @@ def check_model(requested: str | None, model_id: str) -> None:
         )
 
 
-def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
+def sampling_params(req: CompletionRequest | ChatRequest, default_max_tokens: int = 0) -> SamplingParams:
+    """`default_max_tokens` (gateway.default_max_tokens) caps a request that names no limit; 0: none."""
     chat_limit = req.max_completion_tokens if isinstance(req, ChatRequest) else None
     max_tokens = chat_limit if chat_limit is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens or NO_MAX_TOKENS
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     try:
         return SamplingParams(
@@ -167,7 +173,7 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
             top_k=0 if req.top_k in (None, -1) else req.top_k,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed,
-            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             stop=stop,
             ignore_eos=bool(req.ignore_eos),
             logprobs=requested(isinstance(req, ChatRequest), req.logprobs, req.top_logprobs),
@@ -219,11 +225,11 @@ def _speculation(options: SpeculationOptions | None) -> dict[str, Any]:
     return {"drafter": options.drafter, "k": k, "max_iterations": options.max_iterations}
 
 
-def to_submit(req: CompletionRequest | ChatRequest, model_id: str) -> Submit:
+def to_submit(req: CompletionRequest | ChatRequest, model_id: str, default_max_tokens: int = 0) -> Submit:
     """Every check a request gets before it reaches the pipeline, then the pipeline's Submit."""
     check_model(req.model, model_id)
     _neutral(req)
-    params, speculation = sampling_params(req), _speculation(req.speculation)
+    params, speculation = sampling_params(req, default_max_tokens), _speculation(req.speculation)
     if isinstance(req, ChatRequest):
         return submit_message(messages=chat_messages(req.messages), params=params, **speculation)
     prompt = _one_prompt(req.prompt)
@@ -343,13 +349,13 @@ class Formatter:
         return self._chunk(text, None, logprobs=entries)
 
     def closing(self, done: Result) -> dict[str, Any]:
-        """The chunk carrying finish_reason, with usage and the speculation stats (extensions
-        here: OpenAI sends usage only in the include_usage chunk)."""
+        """The chunk carrying finish_reason, with the speculation stats (an extension). No usage: as
+        OpenAI's, a stream carries it only in the include_usage chunk, so a client counts it once."""
         chunk = self._chunk(None, FINISH_REASONS[done.finish_reason])
-        return chunk | {"usage": usage(done, self.prompt_tokens), "speculation": speculation_stats(done)}
+        return chunk | {"speculation": speculation_stats(done)}
 
     def usage_chunk(self, done: Result) -> dict[str, Any]:
-        """stream_options.include_usage: one more chunk, with no choices, as OpenAI sends it."""
+        """stream_options.include_usage: one more chunk, with no choices, the only one with usage."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(kind, []) | {"usage": usage(done, self.prompt_tokens)}
 

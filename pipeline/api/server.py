@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -229,7 +230,7 @@ class Gateway:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         req = decode_request(await read_body(request, self.config.gateway.max_body_bytes), chat)
-        submit = to_submit(req, self.model)
+        submit = to_submit(req, self.model, self.config.gateway.default_max_tokens)
         n = choice_count(req.n, self.config.gateway.max_choices)
         # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
         trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
@@ -347,9 +348,21 @@ class Gateway:
         ]
         handlers: dict[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
         keys = load_keys(self.config.gateway.api_key_file, os.environ)
-        return Starlette(
-            routes=routes, exception_handlers=handlers, middleware=[Middleware(RequireKey, keys=keys)]
-        )
+        return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware(self.config, keys))
+
+
+def middleware(config: Config, keys: tuple[bytes, ...]) -> list[Middleware]:
+    """CORS outside the key check: a browser's preflight (OPTIONS, which carries no key) is answered
+    for an allowed origin, and every answer to one, a 401 included, carries its allow header; the
+    request itself still needs the key. No origins configured: no CORS."""
+    keyed = Middleware(RequireKey, keys=keys)
+    if not (origins := config.gateway.cors_origins):
+        return [keyed]
+    cors = Middleware(
+        CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
+        expose_headers=["Retry-After"],
+    )  # fmt: skip
+    return [cors, keyed]
 
 
 async def api_error(request: Request, exc: Exception) -> Response:

@@ -173,6 +173,12 @@ class Gateway(Section):
     # OpenAI's `n`: the most choices one request may ask for, each a pipeline request of its own
     # (admission counts each); more is a 400 naming `n`.
     max_choices: int = 16
+    # The max_tokens of a request that names none (nor max_completion_tokens); 0: no cap, it runs to
+    # its end of sequence or the context's end, as vLLM's do.
+    default_max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
+    # Origins a browser may call the API from (CORS, answered by Starlette's CORSMiddleware); "*": any,
+    # as llama-server and vLLM allow; []: no CORS headers. The API key is still required where set.
+    cors_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
