@@ -10,6 +10,7 @@ from __future__ import annotations
 from opentelemetry.trace import Span, SpanKind
 
 from pipeline.decoding.result import Result
+from pipeline.decoding.sampling import MAX_TOKENS_LIMIT
 from pipeline.decoding.speculation import Speculation
 from pipeline.observability.metrics import LaneGauge, PipelineGauges, PipelineMetrics
 from pipeline.observability.telemetry import Telemetry, carrier, fail
@@ -30,13 +31,15 @@ class RequestTracing:
         params, operation = msg.params, "chat" if msg.chat or msg.messages is not None else "text_completion"
         attributes = {
             "gen_ai.operation.name": operation, "gen_ai.provider.name": "speclanes",
-            "gen_ai.request.model": self.model_id, "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.model": self.model_id,
             "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
             "gen_ai.request.top_k": params.top_k, "gen_ai.request.seed": seed,
             "gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.response.id": request_id,
             "speclanes.request_id": request_id, "speclanes.drafter": speculation.drafter,
             "speclanes.k": "auto" if speculation.fixed_k is None else str(speculation.fixed_k),
         }  # fmt: skip
+        if params.max_tokens < MAX_TOKENS_LIMIT:  # the limit (an API request naming none has none)
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
         if params.stop:
             attributes["gen_ai.request.stop_sequences"] = list(params.stop)
         if params.presence_penalty or params.frequency_penalty:  # the GenAI conventions name these two
