@@ -210,10 +210,10 @@ def test_a_path_that_is_not_a_head_gets_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers(monkeypatch):
-    """The head in the repository (`pipeline/model/heads/`), as `auto` finds it for the default model:
-    small, made by `speclanes drafter train` (its record says how), and drafting the model's own
-    greedy continuation of a held-out chat prompt at depth 1 more often than not (its held-out rate
-    is about 0.55, where an untrained head's is about 0)."""
+    """The head in the repository (`pipeline/model/heads/`), as `learned` finds it for the default
+    model: small, made by `speclanes drafter train` (its record says how), and drafting the model's
+    own greedy continuations of held-out chat prompts at depth 1 a third of the time at least (its
+    held-out rate is about 0.5; an untrained head's is about 0)."""
     from pipeline.model import default_model_path
     from pipeline.model.draft_head import SHIPPED
 
@@ -224,18 +224,19 @@ def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers
     assert meta["command"].startswith("speclanes drafter train") and meta["held_out_acceptance"]["chains"] > 0
     model = load_model(path, "native")
     head = load_head(shipped, model.cfg, model.embed, path)
-    prompt = chat_prompt(model, prompts("test")[5])
-    answer = decode(model, prompt, SamplingParams(max_tokens=48), NoDraftSource()).tokens
-    tokens = [*prompt, *answer]
-    features = features_of(model, tokens)
     monkeypatch.setattr(learned, "MIN_PATH", 0.0)  # its first choice, however unsure
-    drafter, hits = LearnedDrafter(head), 0
-    drafter.observe(0, features[: len(prompt) - 1])
-    for s in range(len(prompt), len(tokens) - 1):  # the pending token at s: features up to s - 1
-        drafter.observe(s - 1, features[s - 1 : s])
-        proposal = drafter.propose(tokens[: s + 1], 1)
-        hits += proposal.tokens[:1] == [tokens[s + 1]]
-    assert hits > (len(tokens) - 1 - len(prompt)) / 2
+    hits = positions = 0
+    for text in prompts("test")[:4]:
+        prompt = chat_prompt(model, text)
+        tokens = [*prompt, *decode(model, prompt, SamplingParams(max_tokens=32), NoDraftSource()).tokens]
+        features = features_of(model, tokens)
+        drafter = LearnedDrafter(head)
+        drafter.observe(0, features[: len(prompt) - 1])
+        for s in range(len(prompt), len(tokens) - 1):  # the pending token at s: features up to s - 1
+            drafter.observe(s - 1, features[s - 1 : s])
+            hits += drafter.propose(tokens[: s + 1], 1).tokens[:1] == [tokens[s + 1]]
+            positions += 1
+    assert hits >= positions / 3, (hits, positions)
 
 
 @pytest.mark.parametrize("all_logits", [True, False])

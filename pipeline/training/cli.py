@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help=f"draft vocabulary size (default {defaults.vocab_size})")  # fmt: skip
     train.add_argument("--d-ff", type=int, default=defaults.d_ff, help="the head's feed-forward width")
     train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate ({defaults.lr})")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="the prompts' order, sampling and initial weights")
 
 
 def say(text: str) -> None:
