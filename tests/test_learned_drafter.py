@@ -57,7 +57,7 @@ def chat_prompt(model, text: str) -> list[int]:
     return model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     prompt=st.lists(st.integers(1, 200), min_size=1, max_size=30),
     temperature=st.sampled_from([0.0, 0.7, 1.3]),

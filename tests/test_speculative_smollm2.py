@@ -43,7 +43,8 @@ def target(request, smollm2, served_model):
 @pytest.mark.parametrize(("drafter", "k"), [("ngram", None), ("suffix", 3), ("auto", None), ("model", 4)])
 def test_workloads_match_plain_decoding(target, workload, drafter, k):
     prompt = chat_prompt(target, WORKLOADS[workload])
-    params = SamplingParams(max_tokens=32)
+    # The numpy reference takes about 0.2 s a token on these VMs: 16 tokens there, 32 on the served backend.
+    params = SamplingParams(max_tokens=32 if target.row_invariant else 16)
     plain = decode(target, prompt, params, NoDraftSource(), k=0)
     source = make_draft_source(drafter, target, target if drafter == "model" else None)
     out = decode(target, prompt, params, source, k=k)
