@@ -208,6 +208,8 @@ def test_response_format_reaches_the_submit_as_its_canonical_text():
         ({"logit_bias": {str(2**70): 1}}, "logit_bias"),  # a key past any vocabulary (and msgpack's ints)
         ({"logit_bias": {"50256": "ban"}}, "logit_bias"),
         ({"tools": [{"type": "function"}]}, "tools"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the legacy spelling: never ignored
+        ({"function_call": "auto"}, "function_call"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
@@ -229,7 +231,8 @@ def test_bad_fields_are_a_400_naming_the_field(fields, param):
 
 
 def test_neutral_values_of_unsupported_features_are_accepted():
-    body = chat(n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[])
+    body = chat(n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[],
+                functions=[], function_call="none")  # fmt: skip
     assert submit_of(body, True).params.max_tokens == NO_MAX_TOKENS
     assert submit_of(completion(best_of=1, echo=False, suffix=None), False).prompt == "Once"
     assert rejected(completion(echo=True), False).param == "echo"

@@ -126,6 +126,9 @@ class ChatRequest(_Request, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
+    # OpenAI's legacy spelling of tools: refused by name like them, never silently ignored.
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 def decode_request(body: bytes, chat: bool) -> CompletionRequest | ChatRequest:
@@ -139,7 +142,8 @@ def _neutral(req: CompletionRequest | ChatRequest) -> None:
     if isinstance(req, CompletionRequest):
         asks |= {"best_of": req.best_of not in (None, 1), "echo": bool(req.echo), "suffix": bool(req.suffix)}
     else:
-        asks |= {"tools": bool(req.tools)}
+        asks |= {"tools": bool(req.tools), "functions": bool(req.functions),
+                 "function_call": req.function_call not in (None, "none")}  # fmt: skip
     for name, asked in asks.items():
         if asked:
             raise ApiError(
