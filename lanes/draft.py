@@ -1,7 +1,7 @@
 """The draft lane: the `DraftServer` (pipeline/workers/draft_server.py) behind its inbox.
 
 A late draft is worthless, so replies are never waited on: one the orchestrator cannot take
-now is dropped and reported. It serves `learned` (and `auto` with it) when it has a draft head for
+now is dropped and reported. It serves `learned` when it has a draft head for
 the target (`model.draft_head`, or the one found for the model); the features it drafts from come
 from the verify lane with each DraftRequest.
 """
