@@ -26,9 +26,9 @@ import pynng
 import trio
 
 from lanes.lane import LaneContext, lane_main
-from pipeline.decoding.drafters.registry import head_file
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model.default import default_model_path
+from pipeline.model.draft_head import head_file
 from pipeline.model.store import load_front
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.observability.prometheus import CONTENT_TYPE, PrometheusExposition

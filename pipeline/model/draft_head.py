@@ -106,21 +106,21 @@ class DraftHead:
         self.meta, self.embed = meta, embed
         self.cfg = head_config(cfg, int(f32["w_gate"].shape[0]))
 
-        def q8(w: np.ndarray) -> list:
+        def blocks(w: np.ndarray) -> list:
             return [pack(quantize_blocks(w, kind), exact=False)]
 
         layer = {
             "attn_norm": f32["attn_norm"], "ffn_norm": f32["ffn_norm"], "bqkv": None,
-            "wqkv": q8(np.concatenate([f32["wq"], f32["wk"], f32["wv"]])), "wo": q8(f32["wo"]),
-            "wgu": q8(np.concatenate([f32["w_gate"], f32["w_up"]])), "wdown": q8(f32["w_down"]),
+            "wqkv": blocks(np.concatenate([f32["wq"], f32["wk"], f32["wv"]])), "wo": blocks(f32["wo"]),
+            "wgu": blocks(np.concatenate([f32["w_gate"], f32["w_up"]])), "wdown": blocks(f32["w_down"]),
         }  # fmt: skip
         head = pack(quantize_blocks(np.ascontiguousarray(output_rows, np.float32), kind), exact=False)
         products = NativeProducts(row_kernels())
-        self.fc = q8(f32["fc"])
+        self.fc = blocks(f32["fc"])
         self.products = products
         nbytes = sum(m.data.nbytes for k in ("wqkv", "wo", "wgu", "wdown") for m in layer[k])
         self.model = FastModel(
-            self.cfg, [layer], f32["out_norm"], head, None, embed, None, products, "q8",
+            self.cfg, [layer], f32["out_norm"], head, None, embed, None, products, kind.lower(),
             "draft head", nbytes + head.data.nbytes + self.fc[0].data.nbytes,
         )  # fmt: skip
 
@@ -151,8 +151,20 @@ def output_rows(path: Path | None, cfg: ModelConfig, embed: np.ndarray, ids: np.
 
 
 def load_head(path: Path, cfg: ModelConfig, embed: np.ndarray, target_path: Path | None = None) -> DraftHead:
+    return _built(_checked(path, cfg, embed), cfg, embed, target_path)
+
+
+def _checked(path: Path, cfg: ModelConfig, embed: np.ndarray) -> tuple[Path, dict[str, np.ndarray], dict]:
+    """The head file at `path`, read, with its target checked (ModelFileError otherwise)."""
     arrays, meta = read_head(path)
     check_target(meta, cfg, embed)
+    return path, arrays, meta
+
+
+def _built(
+    checked: tuple[Path, dict, dict], cfg: ModelConfig, embed: np.ndarray, target_path: Path | None
+) -> DraftHead:
+    _, arrays, meta = checked
     return DraftHead(arrays, meta, cfg, embed, output_rows(target_path, cfg, embed, arrays["vocab"]))
 
 
@@ -174,18 +186,36 @@ def find_head(model_path: Path) -> Path | None:
     return None
 
 
-def head_for(
-    model_path: Path, cfg: ModelConfig, embed: np.ndarray, explicit: Path | None = None
-) -> DraftHead | None:
-    """The head to draft with: `explicit` (its errors raised), else the one found for the model,
-    else None; a found head trained for another model is skipped with a warning."""
-    if explicit is not None:
-        return load_head(Path(explicit), cfg, embed, Path(model_path))
+def _head_to_serve(
+    model_path: Path, cfg: ModelConfig, embed: np.ndarray, explicit: str | Path = ""
+) -> tuple[Path, dict, dict] | None:
+    """The head file for the model at `model_path`, read and checked: `explicit` (a ModelFileError if
+    it is no head for this model), else the one found for the model (None, with a warning, if it was
+    trained for another), else None."""
+    if explicit:
+        return _checked(Path(explicit), cfg, embed)
     found = find_head(Path(model_path))
     if found is None:
         return None
     try:
-        return load_head(found, cfg, embed, Path(model_path))
+        return _checked(found, cfg, embed)
     except ModelFileError as exc:
         log.warning("not using the draft head %s: %s", found, exc)
         return None
+
+
+def head_file(
+    model_path: Path, cfg: ModelConfig, embed: np.ndarray, explicit: str | Path = ""
+) -> Path | None:
+    """The file `head_for` would build, checked but not built (no weights quantized, no kernels): the
+    orchestrator and the supervisor ask it whether the draft lane serves `learned`."""
+    checked = _head_to_serve(model_path, cfg, embed, explicit)
+    return None if checked is None else checked[0]
+
+
+def head_for(
+    model_path: Path, cfg: ModelConfig, embed: np.ndarray, explicit: str | Path | None = None
+) -> DraftHead | None:
+    """The head to draft with (`_head_to_serve`), built, or None."""
+    checked = _head_to_serve(model_path, cfg, embed, explicit or "")
+    return None if checked is None else _built(checked, cfg, embed, Path(model_path))

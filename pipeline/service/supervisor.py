@@ -30,8 +30,8 @@ import msgspec
 import trio
 from opentelemetry.trace import Span
 
-from pipeline.decoding.drafters.registry import head_file
 from pipeline.model.default import default_model_path
+from pipeline.model.draft_head import head_file
 from pipeline.model.store import load_front
 from pipeline.observability.telemetry import Telemetry
 from pipeline.protocol.client import AsyncClient, PipelineError

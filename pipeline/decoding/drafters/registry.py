@@ -8,17 +8,13 @@ one map from names to sources. `make_draft_source` builds one source for a reque
 `make_draft_sources` builds every source that a long-lived draft lane serves. Within one call,
 each name is built at most once. So the sources that a lane serves share their parts. For
 example, `auto`'s suffix source is the lane's `suffix` source, so all requests update one
-cross-request table. `head_file` says which draft head a pipeline serves `learned` with, if any.
+cross-request table.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
 
 from pipeline.decoding.drafters import DraftSource, NoDraftSource
 from pipeline.decoding.drafters.composite import CompositeSource
@@ -28,14 +24,10 @@ from pipeline.decoding.drafters.model import ModelSource
 from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.model import Runtime
-from pipeline.model.config import ModelConfig
-from pipeline.model.draft_head import DraftHead, check_target, find_head, read_head
-from pipeline.model.errors import ModelFileError
+from pipeline.model.draft_head import DraftHead
 from pipeline.model.store import Front
 
-__all__ = ["DRAFTERS", "FACTORIES", "Inputs", "head_file", "make_draft_source", "make_draft_sources"]
-
-log = logging.getLogger(__name__)
+__all__ = ["DRAFTERS", "FACTORIES", "Inputs", "make_draft_source", "make_draft_sources"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +86,7 @@ def make_draft_source(
     draft_head: DraftHead | None = None,
 ) -> DraftSource:  # fmt: skip
     """A request's source. `auto` tries the n-gram drafter, then the cross-request suffix cache, then
-    the learned head and the draft model where there are ones."""
+    the draft model when there is one."""
     return _build(name, Inputs(target, draft_model, draft_head), {})
 
 
@@ -113,22 +105,3 @@ def make_draft_sources(
         if (draft_model is not None or not declared.needs_draft_model)
         and (draft_head is not None or not declared.needs_head)
     }
-
-
-def head_file(model_path: Path, cfg: ModelConfig, embed: np.ndarray, explicit: str = "") -> Path | None:
-    """The file `draft_head.head_for` would load for the model at `model_path`, checked as it checks one
-    but not built (no weights quantized, no kernels): `explicit` (a ModelFileError if it is no head for
-    this model), else the one found for the model (None, with a warning, if trained for another), else
-    None. The orchestrator asks it whether the draft lane serves `learned`."""
-    if explicit:
-        check_target(read_head(Path(explicit))[1], cfg, embed)
-        return Path(explicit)
-    found = find_head(Path(model_path))
-    if found is None:
-        return None
-    try:
-        check_target(read_head(found)[1], cfg, embed)
-    except ModelFileError as exc:
-        log.warning("not using the draft head %s: %s", found, exc)
-        return None
-    return found
