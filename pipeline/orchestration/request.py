@@ -363,7 +363,7 @@ def kept_features(kept: tuple[int, Rows] | None, at: int, rows: Rows) -> tuple[i
     fit their shape are none."""
     n, width = rows.shape
     size = width * 4
-    if n < 0 or width <= 0 or len(rows.data) != n * size or at < 0:
+    if width <= 0 or at < 0 or rows.problem() is not None:
         return kept
     if kept is not None and kept[1].shape[1] == width and kept[0] <= at <= kept[0] + kept[1].shape[0]:
         data = kept[1].data[: (at - kept[0]) * size] + rows.data

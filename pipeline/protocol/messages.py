@@ -59,11 +59,17 @@ class Rows(msgspec.Struct, frozen=True, array_like=True):
             raise ValueError(f"rows must be 2-D, got shape {a.shape}")
         return cls((int(a.shape[0]), int(a.shape[1])), a.tobytes())
 
-    def array(self) -> np.ndarray:
+    def problem(self) -> str | None:
+        """Why these bytes are not float32 rows of this shape, or None."""
         n, width = self.shape
         if n < 0 or width < 0 or len(self.data) != n * width * 4:
-            raise BadMessage(f"rows of shape {self.shape} need {n * width * 4} bytes, got {len(self.data)}")
-        return np.frombuffer(self.data, dtype="<f4").reshape(n, width)
+            return f"rows of shape {self.shape} need {n * width * 4} bytes, got {len(self.data)}"
+        return None
+
+    def array(self) -> np.ndarray:
+        if (problem := self.problem()) is not None:
+            raise BadMessage(problem)
+        return np.frombuffer(self.data, dtype="<f4").reshape(self.shape)
 
 
 class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True, frozen=True):

@@ -132,9 +132,9 @@ def features_problem(msg: DraftRequest) -> str | None:
     """Why a request's features cannot be the target's at positions [features_at, ...): each lies
     before the pending token (the newest, which no forward has read yet), in rows that fit their shape."""
     assert msg.features is not None
-    (n, width), data = msg.features.shape, msg.features.data
-    if n < 0 or width <= 0 or len(data) != n * width * 4:
-        return f"features of shape {msg.features.shape} in {len(data)} bytes"
+    n, width = msg.features.shape
+    if width <= 0 or msg.features.problem() is not None:
+        return f"features of shape {msg.features.shape} in {len(msg.features.data)} bytes"
     at, length = msg.features_at, len(msg.context)
     if at < 0 or at + n >= length:
         return f"features for positions {at}..{at + n - 1} of a context of {length}"
