@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.decoding.drafters import EMPTY, Candidates, Proposal
+from pipeline.decoding.drafters import EMPTY, Candidates, Proposal, kinds
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.model.draft_head import DraftHead
 
@@ -160,7 +160,7 @@ class LearnedDrafter:
 
 class LearnedSource:
     name = "learned"
-    needs_features = True
+    needs_features = kinds.needs_features(name)  # the target's features reach it through `observe`
 
     def __init__(self, head: DraftHead) -> None:
         self.head = head
