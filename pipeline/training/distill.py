@@ -33,7 +33,7 @@ def sampled(index: int) -> bool:
 
 
 @dataclass
-class Sequence_:
+class Answer:
     """One prompt being answered: its tokens so far and a feature for each but the newest."""
 
     index: int
@@ -47,18 +47,18 @@ class Sequence_:
 def answer_shard(
     model: Runtime, prompt_tokens: Sequence[list[int]], first_index: int, *, max_new: int, batch: int,
     seed: int,
-) -> list[Sequence_]:  # fmt: skip
+) -> list[Answer]:  # fmt: skip
     """Every prompt of a shard answered, `batch` sequences decoding together."""
     eos = model.tokenizer.eos_id if model.tokenizer is not None else None
     waiting = list(enumerate(prompt_tokens, first_index))
-    active: list[Sequence_] = []
-    done: list[Sequence_] = []
+    active: list[Answer] = []
+    done: list[Answer] = []
     while waiting or active:
         while waiting and len(active) < batch:
             index, prompt = waiting.pop(0)
             cache = model.new_cache(capacity=len(prompt) + max_new + 1)
             rng = np.random.default_rng([seed, index]) if sampled(index) else None
-            seq = Sequence_(index, list(prompt), len(prompt), cache, rng=rng)
+            seq = Answer(index, list(prompt), len(prompt), cache, rng=rng)
             logits, feats = model.forward_features([(cache, prompt)], all_logits=False)
             seq.features.append(feats[0])
             seq.tokens.append(choose(logits[0][-1], rng))
@@ -82,7 +82,7 @@ def choose(logits: np.ndarray, rng: np.random.Generator | None) -> int:
     return int(rng.choice(len(p), p=p / p.sum()))
 
 
-def write_shard(path: Path, sequences: list[Sequence_]) -> int:
+def write_shard(path: Path, sequences: list[Answer]) -> int:
     """tokens (all sequences, concatenated), offsets, prompt lengths and float16 features: a
     sequence of n tokens has n - 1 features (its newest token was never fed)."""
     tokens = np.concatenate([np.asarray(s.tokens, np.int32) for s in sequences])
