@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from pipeline.decoding.decided import ACCEPTED, PLAIN
 from pipeline.decoding.drafters import NoDraftSource
 from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.result import Result
@@ -84,8 +85,15 @@ def test_a_request_gives_the_in_process_tokens(world, model, params, drafter):
     chunks = world.hub.front.chunks(request_id, -1, world.secrets[request_id])
     assert isinstance(chunks, Chunks) and [t for c in chunks.chunks for t in c.tokens] == want.tokens
     assert [c.seq for c in chunks.chunks] == list(range(len(chunks.chunks)))
+    decided = "".join(c.decided for c in chunks.chunks)
+    assert len(decided) == len(want.tokens) and decided[0] == PLAIN  # the prefill's token
+    # Every step serves one token of the target's own (plain, corrected or bonus) after its accepted drafts.
+    assert len(decided) - decided.count(ACCEPTED) == result.stats.steps + 1
+    assert decided.count(ACCEPTED) == result.stats.accepted
     if drafter == "ngram":
         assert result.stats.drafted > 0
+    else:
+        assert decided == PLAIN * len(decided)
 
 
 def test_every_step_and_the_summary_reach_the_audit_trail_once(world):

@@ -88,6 +88,7 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     depth: int | None = None  # levels of the verified tree (None: a chain of `drafted`)
     offered: list[float] | None = None  # `tree.offered` of the step (None: a chain's)
     logprobs: list[TokenLogprobs] = []  # the tokens' entries, when asked: a replay streams them again
+    bonus: bool = False  # the last token is the target's bonus, not a correction (`decoding.decided`)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from pipeline.decoding.decided import ends_in_bonus, letters
 from pipeline.decoding.drafters import EMPTY, Proposal
 from pipeline.decoding.drafters.kinds import paid_per_draft
 from pipeline.decoding.result import Result
@@ -281,6 +282,7 @@ class RequestMachine:
         record = StepRecord(
             msg.step, len(planned.drafts), list(msg.tokens), msg.accepted, planned.draft_seconds,
             now - planned.verify_started, msg.draws, planned.drafter, depth, offered, msg.logprobs,
+            ends_in_bonus(planned.parents, len(planned.drafts), msg.path),
         )  # fmt: skip
         self._apply(record)
         stepped = Stepped(
@@ -302,7 +304,8 @@ class RequestMachine:
                 paid_drafts=record.drafted if paid_per_draft(record.drafter) else 0, logprobs=record.logprobs,
             )  # fmt: skip
         self.step, self.draws = record.step, record.draws
-        self._emit(text, before)
+        count = len(session.out.tokens) - before
+        self._emit(text, before, letters(record.drafted, record.accepted, record.bonus, count))
 
     def _failed(self, msg: StepFailed, now: float) -> list[Effect]:
         if msg.origin == "draft":
@@ -350,10 +353,10 @@ class RequestMachine:
 
     # --- output ------------------------------------------------------------------------
 
-    def _emit(self, text: str, before: int) -> None:
+    def _emit(self, text: str, before: int, decided: str = "") -> None:
         tokens = self.session.out.tokens[before:]
         if text or tokens:
-            self.chunks.append(Chunk(len(self.chunks), text, tokens, self.session.logprobs[before:]))
+            self.chunks.append(Chunk(len(self.chunks), text, tokens, self.session.logprobs[before:], decided))
 
 
 def kept_features(kept: tuple[int, Rows] | None, at: int, rows: Rows) -> tuple[int, Rows] | None:

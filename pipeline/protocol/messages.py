@@ -384,6 +384,7 @@ class Chunk(msgspec.Struct, frozen=True, array_like=True):
     text: str
     tokens: list[int]
     logprobs: list[TokenLogprobs] = []  # one per token, when the request asked (`decoding.logprobs`)
+    decided: str = ""  # how each token was decided, a letter per token (`decoding.decided`)
 
 
 class Chunks(Message, frozen=True, kw_only=True):
