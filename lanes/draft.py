@@ -1,9 +1,9 @@
 """The draft lane: the `DraftServer` (pipeline/workers/draft_server.py) behind its inbox.
 
-A late draft is worthless, so replies are never waited on: one the orchestrator cannot take
-now is dropped and reported. It serves `learned` when it has a draft head for
-the target (`model.draft_head`, or the one found for the model); the features it drafts from come
-from the verify lane with each DraftRequest.
+It answers the verify lane, which drives each request's steps. A late draft is worthless, so
+replies are never waited on: one the verify lane cannot take now is dropped and reported. It
+serves `learned` when it has a draft head for the target (`model.draft_head`, or the one found
+for the model); the features it drafts from come from the verify lane with each DraftRequest.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ async def serve(lane: LaneContext) -> None:
     if target.tokenizer is not None:
         warm_up(target.tokenizer)  # a response_format request's drafter follows its grammar
     inbox: Inbox = Inbox(config.bind("draft"), DraftInbox, config.tls)
-    results = lane.replies()
+    results = lane.replies(config.addresses.verify)
     lane.heartbeat()
     async for msg in inbox:
         if isinstance(msg, BadMessage):
@@ -53,7 +53,7 @@ async def serve(lane: LaneContext) -> None:
             continue
         lane.state.active_requests = len(server.active)
         if not results.put_nowait(reply):  # late drafts are worthless: never wait to send one
-            lane.fault("timeout", "the orchestrator did not take a draft", msg.request_id, msg.step)
+            lane.fault("timeout", "the verify lane did not take a draft", msg.request_id, msg.step)
 
 
 def served_head(model_path: Path, target: Front, explicit: str) -> DraftHead | None:

@@ -42,12 +42,13 @@ class LaneContext:
         self.telemetry = telemetry
         self.data: Outbox | None = None  # to the orchestrator's data inbox, for lanes that reply
 
-    def replies(self) -> Outbox:
-        """The lane's Outbox to the orchestrator's data inbox. Heartbeats wait until it is connected:
-        "up" must mean that a reply sent now arrives, and a restarted lane's dialer may still be in
-        its reconnect back-off when its first heartbeat would go out (a draft then is lost)."""
+    def replies(self, address: str | None = None) -> Outbox:
+        """The lane's Outbox for its replies: the orchestrator's data inbox, or `address` (the draft
+        lane answers the verify lane). Heartbeats wait until it is connected: "up" must mean that a
+        reply sent now arrives, and a restarted lane's dialer may still be in its reconnect back-off
+        when its first heartbeat would go out (a draft then is lost)."""
         # A burst of replies (drafts for 8 requests at once) must not fail behind each other.
-        self.data = Outbox(self.config.addresses.data, self.config.tls, buffer=REPLY_BUFFER)
+        self.data = Outbox(address or self.config.addresses.data, self.config.tls, buffer=REPLY_BUFFER)
         return self.data
 
     def fault(

@@ -3,8 +3,9 @@
 Everything it receives (replies and acks on the data inbox, lane news on the control inbox,
 client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
 goes out on the lane's Push socket. Sends to the verify lane keep their order and never
-block the loop; a draft or audit send that cannot be handed over now is given back to the
-hub (that step decodes plainly; that event is re-sent later). A Submit's prompt is tokenized in
+block the loop; an audit send that cannot be handed over now is given back to the hub (that
+event is re-sent later). The verify lane drives the decode loops: this process journals, streams
+and audits the steps it decides, and tells it how far the journal has got. A Submit's prompt is tokenized in
 a worker thread (`Hub.admit`), so a long prompt delays only its own request, never the loop; so are
 `Tokenize` and `Detokenize`. A `MetricsQuery` is answered with the Prometheus text of this process's
 instruments (observability/prometheus.py). The state-like ones (requests decoding and queued, lanes)
@@ -74,7 +75,7 @@ class OrchestratorLane:
         self.hub, self.config, self.exposition = hub, config, exposition
         self.gauges = gauges_of(hub.status())  # replaced whole, so a reader in another thread sees one
         self.outboxes = {
-            name: Outbox(getattr(config.addresses, name), config.tls) for name in ("verify", "draft", "audit")
+            name: Outbox(getattr(config.addresses, name), config.tls) for name in ("verify", "audit")
         }
         self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
         self.queued_for_verify = 0
@@ -131,6 +132,15 @@ class OrchestratorLane:
         async for msg in inbox:
             if self.reachable(msg):
                 self.guarded(handle, msg)
+
+    async def receive_data(self, inbox: Inbox) -> None:
+        """Decided steps in bursts: each is journaled, streamed and audited as it comes, and one
+        StepsJournaled per burst tells the verify lane how far the journal has got."""
+        while True:
+            for msg in [await inbox.next(), *inbox.ready()]:
+                self.guarded(self.hub.on_data, msg)
+            if (told := self.hub.journaled_steps()) is not None:
+                self.dispatch([told])
 
     async def tick(self) -> None:
         while True:
@@ -239,7 +249,7 @@ class OrchestratorLane:
         death = msgspec.json.decode(predecessor, type=LaneDown) if predecessor else None
         self.dispatch(hub.recover(self.now(), death))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.receive, data, hub.on_data)
+            nursery.start_soon(self.receive_data, data)
             nursery.start_soon(self.receive, control, hub.on_control)
             nursery.start_soon(self.send_to_verify)
             nursery.start_soon(self.tick)

@@ -1,6 +1,8 @@
 """The whole pipeline in one process with no sockets: the orchestrator's `Hub` wired to a real
-`Verifier` and `DraftServer` on a tiny model, with a test-controlled clock, lost messages and
-lane restarts. Every message still goes through its msgspec encoding, as on a socket."""
+verify lane core (`VerifyCore`: the drivers and the `Verifier`) and `DraftServer` on a tiny model,
+with a test-controlled clock, lost messages and lane restarts. Every message still goes through its
+msgspec encoding, as on a socket; the verify lane runs forwards until it has nothing queued, as its
+loop does."""
 
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ from pipeline.protocol.messages import (
     encode,
 )
 from pipeline.workers.draft_server import DraftServer
+from pipeline.workers.driver import Out
 from pipeline.workers.verifier import Verifier
+from pipeline.workers.verify_core import VerifyCore
 
 from .telemetry_harness import MemoryTelemetry
 
@@ -76,6 +80,7 @@ class World:
     beating: set[str] = field(default_factory=set)  # lanes up and not frozen: they beat as time passes
     audited: dict[str, AuditEvent] = field(default_factory=dict)
     sent: list[Send] = field(default_factory=list)
+    to_verifier: list[msgspec.Struct] = field(default_factory=list)  # what the drivers asked of the verifier
     secrets: dict[str, str] = field(default_factory=dict)  # what each Submit was answered with
     journal_path: str = ":memory:"  # a file, for tests that restart the orchestrator
     orchestrator_dead: bool = False  # replies sent now are lost with it
@@ -89,8 +94,16 @@ class World:
     def __post_init__(self) -> None:
         self.telemetry = MemoryTelemetry(self.readers)
         self.hub = self.new_hub()
-        self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
+        self.core = self.new_core()
         self.drafts = self.new_draft_server()
+
+    @property
+    def verifier(self) -> Verifier:
+        return self.core.verifier
+
+    def new_core(self) -> VerifyCore:
+        verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
+        return VerifyCore(verifier, verifier.lane, self.config)
 
     def new_draft_server(self) -> DraftServer:
         """As the draft lane builds it: with the target's tokenizer, for requests with a response_format."""
@@ -132,7 +145,7 @@ class World:
         self.pids[lane] += 1
         self.beating.discard(lane)
         if lane == "verify":
-            self.verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
+            self.core = self.new_core()
         if lane == "draft":
             self.drafts = self.new_draft_server()
         self.feed(self.hub.on_control(LaneDown(lane=lane, pid=pid, returncode=-9, restarts=1), self.now))
@@ -152,6 +165,26 @@ class World:
         if self.orchestrator_dead:
             return
         self.feed(self.hub.on_data(REPLIES.decode(encode(message)), self.now))
+        if (told := self.hub.journaled_steps()) is not None:
+            self.feed([told])
+
+    def from_verify_lane(self, out: list[Out]) -> None:
+        """The verify lane's sends: draft requests on their way to the draft lane, decided steps to
+        the orchestrator."""
+        for item in out:
+            if item.lane == "draft":
+                self.feed([Send("draft", item.message)])
+            else:
+                self.reply(item.message)
+
+    def verify_lane_runs(self, out: list[Out]) -> None:
+        """What the verify lane does after taking a message: forwards until nothing is queued. Its
+        socket to the draft lane is connected while that lane runs."""
+        self.from_verify_lane(out)
+        self.core.draft_lane.connected = "draft" in self.beating
+        while self.core.has_work():
+            self.to_verifier.extend(self.core.queued)
+            self.from_verify_lane(self.core.forward(self.now))
 
     def deliver_one(self) -> Send:
         send = self.in_flight.popleft()
@@ -162,16 +195,13 @@ class World:
         data = send.message if isinstance(send.message, bytes) else encode(send.message)
         msg = CODECS[send.lane].decode(data)
         if send.lane == "verify":
-            replies = self.verifier.handle([msg])
-            while self.verifier.busy():
-                replies += self.verifier.handle([])
-            for reply in replies:
-                self.reply(reply)
+            self.core.draft_lane.connected = "draft" in self.beating
+            self.verify_lane_runs(self.core.receive(msg, self.now))
         elif send.lane == "draft":
             if type(msg).__name__ == "Close":
                 self.drafts.close(msg)
             else:
-                self.reply(self.drafts.draft(msg))
+                self.feed([Send("verify", self.drafts.draft(msg))])
         else:
             self.audited[msg.event_id] = msg
             self.reply(AuditAck(event_ids=[msg.event_id]))
@@ -191,6 +221,7 @@ class World:
             beat = Heartbeat(lane=lane, pid=self.pids[lane], state=SpeculativeState())
             self.feed(self.hub.on_control(beat, self.now))
         self.feed(self.hub.tick(self.now))
+        self.verify_lane_runs(self.core.tick(self.now))
 
     # --- clients ----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from pipeline.protocol.messages import (
     Verify,
 )
 from pipeline.workers.draft_server import DraftServer
+from pipeline.workers.driver import DraftLane, Driver
 from pipeline.workers.verifier import Verifier
 
 from .orchestration_harness import FakeLane
@@ -74,27 +75,37 @@ def one(replies: list) -> object:
 
 
 class Client:
-    """One request driven by the orchestrator's own `RequestMachine`, delivered to a verify lane
-    core by hand, message by message, so the tests can repeat, reorder, batch or alter them.
-    Drafts are whatever the test passes: they answer the machine's draft request."""
+    """One request driven by the verify lane's own `Driver` and followed by the orchestrator's
+    `RequestMachine`, delivered to a verifier by hand, message by message, so the tests can repeat,
+    reorder, batch or alter them. Drafts are whatever the test passes: they answer the driver's
+    draft request."""
 
     def __init__(self, verifier: Verifier, request_id: str, prompt: Sequence[int], params: SamplingParams):
         self.verifier, self.request_id, self.params = verifier, request_id, params
         self.prompt = list(prompt)
-        model = verifier.model
         lanes = LaneTable()
         for lane in ("verify", "draft"):
             lanes.update(Heartbeat(lane=lane, pid=1, state=SpeculativeState()), 0.0)
         seed = params.seed if params.seed is not None else 0
-        who = Identity(request_id, seed, "test", {}, started=0.0, submitted=0.0)
-        session = Session(model.tokenizer, model.cfg.context_length, prompt, params, Speculation(k=16))
-        self.machine = RequestMachine(who, session, lanes, Timeouts())
-        (send,) = self.machine.begin(0.0)
+        who = Identity(request_id, seed, Speculation(k=16), {}, started=0.0, submitted=0.0)
+        self.follower = RequestMachine(who, self.session(), lanes, Timeouts())
+        (send,) = self.follower.begin(0.0)
         self.first_open = send.message
+        self.driver = self.drive(self.first_open)
+
+    def session(self) -> Session:
+        model = self.verifier.model
+        return Session(model.tokenizer, model.cfg.context_length, self.prompt, self.params, Speculation(k=16))
+
+    def drive(self, opened: Open) -> Driver:
+        """A driver as the verify lane starts one for an Open (it never waits for the journal here)."""
+        driver = Driver(opened, self.session(), FakeLane(), DraftLane(), 1.0, 10**9)
+        driver.begin(0.0)
+        return driver
 
     @property
     def context(self) -> list[int]:
-        return self.machine.session.context
+        return self.driver.session.context
 
     @property
     def output(self) -> list[int]:
@@ -102,11 +113,11 @@ class Client:
 
     @property
     def step(self) -> int:
-        return self.machine.step
+        return self.driver.step
 
     @property
     def draws(self) -> int:
-        return self.machine.draws
+        return self.driver.draws
 
     def open_message(self) -> Open:
         return self.first_open
@@ -117,23 +128,27 @@ class Client:
         return opened
 
     def verify_message(self, drafts: Sequence[int] = (), probs: Rows | None = None) -> Verify:
-        machine = self.machine
-        if isinstance(machine.pending, DraftRequest):
+        driver = self.driver
+        if isinstance(driver.pending, DraftRequest):
             drafted = Drafted(
-                request_id=self.request_id, step=machine.pending.step, tokens=list(drafts), probs=None,
+                request_id=self.request_id, step=driver.pending.step, tokens=list(drafts), probs=None,
                 drafter="test", seconds=0.0,
             )  # fmt: skip
-            machine.on_reply(drafted, 0.0)
-        message = machine.pending
+            driver.on_reply(drafted, 0.0)
+        message = driver.pending
         assert isinstance(message, Verify), message
         return message if probs is None else msgspec.structs.replace(message, draft_probs=probs)
 
     def record(self, reply: object) -> Opened | Verified:
+        """The reply to the driver, and what it decides to the follower (which must agree)."""
         assert isinstance(reply, Opened | Verified), reply
         before = self.step
-        self.machine.on_reply(reply, 0.0)
+        for out in self.driver.on_reply(reply, 0.0):
+            if out.lane == "data":
+                self.follower.on_reply(out.message, 0.0)
         if isinstance(reply, Verified):
             assert reply.request_id == self.request_id and reply.step == before + 1 == self.step
+        assert self.follower.session.context == self.context
         return reply
 
     def verify(self, drafts: Sequence[int] = ()) -> Verified:
@@ -142,14 +157,18 @@ class Client:
         return verified
 
     def reprime_message(self, draws: int | None = None) -> Open:
-        """What the machine sends when a verify lane says it does not know the request."""
-        step = self.verify_message()
-        lost = StepFailed(request_id=self.request_id, step=step.step, origin="verify", kind="unknown_request",
-                          message="restarted")  # fmt: skip
-        self.machine.on_reply(lost, 0.0)
-        message = self.machine.pending
+        """What the orchestrator sends when the verify lane says it lost the request; the lane's
+        driver starts again from it."""
+        lost = StepFailed(
+            request_id=self.request_id, step=self.step + 1, origin="verify", kind="unknown_request",
+            message="restarted",
+        )  # fmt: skip
+        (send,) = self.follower.on_reply(lost, 0.0)
+        message = send.message
         assert isinstance(message, Open) and not message.sample
-        return message if draws is None else msgspec.structs.replace(message, draws=draws)
+        message = message if draws is None else msgspec.structs.replace(message, draws=draws)
+        self.driver = self.drive(message)
+        return message
 
     def run(self, until: int) -> list[int]:
         """Plain steps (no drafts) until `until` output tokens."""

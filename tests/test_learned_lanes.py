@@ -30,7 +30,6 @@ from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime, load_model
 from pipeline.model.draft_head import DraftHead, load_head
 from pipeline.model.prompts import prompt_tokens
-from pipeline.orchestration.request import MAX_KEPT_FEATURES, kept_features
 from pipeline.protocol.client import PipelineError
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
@@ -46,6 +45,7 @@ from pipeline.protocol.messages import (
 from pipeline.service.launch import launch
 from pipeline.training.prompts import prompts
 from pipeline.workers.draft_server import DraftServer
+from pipeline.workers.driver import MAX_KEPT_FEATURES, kept_features
 from pipeline.workers.verifier import Verifier
 
 from .orchestration_harness import FakeLane, World

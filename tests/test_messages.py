@@ -28,6 +28,7 @@ from pipeline.protocol.messages import (
     Codec,
     ControlInbox,
     DataInbox,
+    Decided,
     Detokenize,
     Drafted,
     DraftInbox,
@@ -44,7 +45,6 @@ from pipeline.protocol.messages import (
     MetricsQuery,
     MetricsReport,
     Open,
-    Opened,
     Poll,
     RequestOpened,
     Rows,
@@ -55,12 +55,13 @@ from pipeline.protocol.messages import (
     StatusReport,
     StepEvent,
     StepFailed,
+    StepRecord,
+    StepsJournaled,
     Submit,
     Submitted,
     Text,
     Tokenize,
     Tokens,
-    Verified,
     Verify,
     VerifyInbox,
     encode,
@@ -168,9 +169,6 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
         sample=st.booleans(),
         capacity=small,
     ),
-    Verify: st.builds(
-        Verify, **work, position=small, pending=small, drafts=tokens, draft_probs=st.none() | rows
-    ),
     Close: st.builds(Close, request_id=ids, context=tokens),
     DraftRequest: st.builds(
         DraftRequest,
@@ -182,25 +180,22 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
         context=tokens,
         k=st.integers(0, 32),
     ),
-    Opened: st.builds(
-        Opened,
+    Decided: st.builds(
+        Decided,
         **work,
-        token=st.none() | small,
-        u=st.none() | st.floats(0.0, 1.0, exclude_max=True),
-        draws=small,
-        seconds=finite,
+        record=st.none() | st.builds(
+            StepRecord, step=small, drafted=small, tokens=tokens, accepted=small, draft_seconds=finite,
+            verify_seconds=finite, draws=small, drafter=text, bonus=st.booleans(),
+        ),
+        event=st.none() | st.builds(
+            StepEvent, **audit, step=small, drafter=text, k=st.integers(0, 32), drafted=tokens,
+            emitted=tokens, decisions=st.lists(decisions, max_size=4), final_u=st.none() | finite,
+            draws=small,
+            batch_size=small,
+        ),
+        over=st.booleans(),
     ),
-    Verified: st.builds(
-        Verified,
-        **work,
-        tokens=tokens,
-        accepted=small,
-        decisions=st.lists(decisions, max_size=4),
-        final_u=st.none() | finite,
-        draws=small,
-        batch_size=small,
-        seconds=finite,
-    ),
+    StepsJournaled: st.builds(StepsJournaled, steps=st.dictionaries(ids, small, max_size=4)),
     Drafted: st.builds(Drafted, **work, tokens=tokens, probs=st.none() | rows, drafter=text, seconds=finite),
     StepFailed: st.builds(
         StepFailed,
@@ -320,7 +315,7 @@ def union_messages(union: object) -> st.SearchStrategy:
 def test_every_union_member_has_a_strategy():
     every = {kind for union in UNIONS.values() for kind in members(union)}
     assert every == set(STRATEGIES)
-    assert len(every) == 34  # Close goes to the verify and the draft lane
+    assert len(every) == 33  # Close goes to the verify and the draft lane
 
 
 # --- round trips ----------------------------------------------------------------------
@@ -343,7 +338,7 @@ def test_round_trip_keeps_nested_values():
     probs = np.array([[0.25, 0.75], [1.0, 0.0]], np.float32)
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2**64 - 1, stop=("\n",))
     sent = Drafted(request_id="r", step=3, tokens=[1, 0], probs=Rows.of(probs), drafter="model", seconds=0.5)
-    got = Codec(DataInbox).decode(encode(sent))
+    got = Codec(VerifyInbox).decode(encode(sent))
     assert isinstance(got, Drafted) and got.probs is not None
     np.testing.assert_array_equal(got.probs.array(), probs)
     opened = Codec(VerifyInbox).decode(
@@ -352,16 +347,14 @@ def test_round_trip_keeps_nested_values():
     assert isinstance(opened, Open)
     assert opened.params == params and opened.params.seed == 2**64 - 1 and opened.params.stop == ("\n",)
     verdict = Decision(2, 11, 0.5, 0.25, 0.875, False, 4)
-    verified = Codec(DataInbox).decode(
-        encode(
-            Verified(
-                request_id="r", step=1, tokens=[9, 4], accepted=1, decisions=[verdict],
-                final_u=None, draws=2, batch_size=3, seconds=0.0,
-            )
-        )
+    record = StepRecord(3, 2, [9, 4], 1, 0.5, 0.25, 2, "ngram", bonus=False)
+    event = StepEvent(
+        event_id="r:step:3", request_id="r", time=1.0, step=3, drafter="ngram", k=2, drafted=[9, 5],
+        emitted=[9, 4], decisions=[verdict], final_u=None, draws=2, batch_size=3,
     )  # fmt: skip
-    assert isinstance(verified, Verified) and verified.decisions == [verdict]
-    assert verified.decisions[0].u == 0.875 and verified.decisions[0].replacement == 4
+    decided = Codec(DataInbox).decode(encode(Decided(request_id="r", step=3, record=record, event=event)))
+    assert isinstance(decided, Decided) and decided.record == record and decided.event is not None
+    assert decided.event.decisions[0].u == 0.875 and decided.event.decisions[0].replacement == 4
 
 
 # --- Rows -----------------------------------------------------------------------------
@@ -383,7 +376,7 @@ def test_rows_round_trip_float32_exactly(array):
     assert back.shape == array.shape
     # Bit for bit (NaN payloads and signed zeros included).
     assert back.view(np.uint32).tolist() == array.view(np.uint32).tolist()
-    wire = Codec(DataInbox).decode(
+    wire = Codec(VerifyInbox).decode(
         encode(Drafted(request_id="r", step=1, tokens=[], probs=rows, drafter="d", seconds=0.0))
     )
     assert isinstance(wire, Drafted) and wire.probs is not None
@@ -464,11 +457,13 @@ def test_another_sockets_message_is_a_bad_message(data):
         Codec(UNIONS[receiver]).decode(encode(message))
 
 
-def test_a_verify_is_not_an_audit_event():
-    verify = Verify(request_id="r", step=1, position=4, pending=7, drafts=[1, 2])
-    with pytest.raises(BadMessage, match="Verify"):
-        Codec(AuditInbox).decode(encode(verify))
-    assert Codec(VerifyInbox).decode(encode(verify)) == verify
+def test_a_draft_is_not_an_audit_event_and_a_verify_stays_inside_the_verify_lane():
+    drafted = Drafted(request_id="r", step=1, tokens=[1, 2], probs=None, drafter="ngram", seconds=0.0)
+    with pytest.raises(BadMessage, match="Drafted"):
+        Codec(AuditInbox).decode(encode(drafted))
+    assert Codec(VerifyInbox).decode(encode(drafted)) == drafted
+    with pytest.raises(BadMessage, match="Verify"):  # its driver makes it: no socket takes one
+        Codec(VerifyInbox).decode(encode(Verify(request_id="r", step=1, position=4, pending=7)))
 
 
 def test_unknown_type_tag_is_a_bad_message():
@@ -479,8 +474,9 @@ def test_unknown_type_tag_is_a_bad_message():
 
 
 def test_wrong_protocol_version_is_a_bad_message():
-    fields = {"type": "Verify", "request_id": "r", "step": 1, "position": 4, "pending": 7}
-    assert isinstance(Codec(VerifyInbox).decode(msgspec.msgpack.encode({**fields, "version": 1})), Verify)
+    fields = {"type": "StepsJournaled", "steps": {"r": 3}}
+    journaled = Codec(VerifyInbox).decode(msgspec.msgpack.encode({**fields, "version": 1}))
+    assert isinstance(journaled, StepsJournaled)
     with pytest.raises(BadMessage, match="protocol version 99"):
         Codec(VerifyInbox).decode(msgspec.msgpack.encode({**fields, "version": 99}))
     with pytest.raises(BadMessage, match="protocol version 99"):

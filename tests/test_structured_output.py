@@ -108,7 +108,7 @@ def test_forbidden_drafts_are_cut_by_the_verify_lane_and_never_booked(models):
         request_id = served(world, params, "ngram", 4)
         result = world.result(request_id)
         assert result is not None and result.tokens == want, tree
-        sent = [s.message for s in world.sent if isinstance(s.message, Verify)]
+        sent = [m for m in world.to_verifier if isinstance(m, Verify)]
         assert oracle.with_bad > 0 and any(BAD in msg.drafts for msg in sent), tree  # the lane saw them
         steps = [e for e in audited(world, request_id) if isinstance(e, StepEvent)]
         assert all(BAD not in step.drafted for step in steps), tree

@@ -11,8 +11,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from pipeline.orchestration.journal import StepRecord
-from pipeline.protocol.messages import AuditEvent, FaultKind
+from pipeline.protocol.messages import AuditEvent, FaultKind, StepRecord
 
 
 class Send(NamedTuple):
@@ -51,8 +50,4 @@ class FirstToken(NamedTuple):
     seconds: float
 
 
-class DraftLaneSlow(NamedTuple):
-    """A draft timed out: the hub skips drafting until the lane's next heartbeat."""
-
-
-Effect = Send | Record | Raise | Stepped | Journaled | FirstToken | DraftLaneSlow
+Effect = Send | Record | Raise | Stepped | Journaled | FirstToken

@@ -34,7 +34,6 @@ from pipeline.orchestration.admission import Admitted, admit
 from pipeline.orchestration.admission_queue import AdmissionQueue
 from pipeline.orchestration.closing import Closing
 from pipeline.orchestration.effects import (
-    DraftLaneSlow,
     Effect,
     FirstToken,
     Journaled,
@@ -58,7 +57,6 @@ from pipeline.protocol.messages import (
     Chunks,
     ControlInbox,
     DataInbox,
-    DraftRequest,
     ErrorReply,
     Fault,
     FaultKind,
@@ -68,6 +66,7 @@ from pipeline.protocol.messages import (
     Shutdown,
     SpeculativeEvent,
     StatusReport,
+    StepsJournaled,
     Submit,
     Submitted,
 )  # fmt: skip
@@ -89,6 +88,7 @@ class Hub:
         self.changed: set[str] = set()  # requests with new chunks or a result: wake their polls
         self.closing = Closing()  # the supervisor is stopping the pipeline (closing.py)
         self.queue = AdmissionQueue(config.admission)
+        self.journaled: dict[str, int] = {}  # steps journaled since the verify lane was last told
 
     # --- clients ----------------------------------------------------------------------
 
@@ -145,8 +145,9 @@ class Hub:
             drafter, draft_model=bool(model.draft_path), head=bool(model.draft_head)
         )
         who = Identity(
-            record.request_id, record.seed, drafter, record.trace, started, record.submitted, features
-        )
+            record.request_id, record.seed, record.speculation, record.trace, started, record.submitted,
+            features,
+        )  # fmt: skip
         tokens, params = record.prompt_tokens, record.params
         session = Session(self.tokenizer, self.context_length, tokens, params, record.speculation)
         machine = RequestMachine(who, session, self.lanes, self.config.timeouts)
@@ -202,8 +203,16 @@ class Hub:
             return []
         if (machine := self.front.machine(msg.request_id)) is None:
             return []
-        machine.neighbours = max(0, len(self.front.running()) - self.queue.depth - 1)  # share its forwards
         return self._run(machine, machine.on_reply(msg, now), now)
+
+    def journaled_steps(self) -> Send | None:
+        """What the verify lane must hear of the journal: each request's last journaled step since it
+        was last told (the lane process sends it once its data inbox is drained, so one message
+        acknowledges a burst of steps)."""
+        if not self.journaled:
+            return None
+        steps, self.journaled = self.journaled, {}
+        return Send("verify", StepsJournaled(steps=steps))
 
     def on_control(self, msg: ControlInbox | BadMessage, now: float) -> list[Send]:
         if isinstance(msg, BadMessage):
@@ -252,8 +261,6 @@ class Hub:
         """The lane process could not hand `send` over right now."""
         if send.lane == "audit":
             self.ledger.outbox.unsent(send.event_id)
-        elif isinstance(ask := send.message, DraftRequest) and (m := self.front.machine(ask.request_id)):
-            return self._run(m, m.draft_unsent(now), now)
         return []
 
     # --- effects ----------------------------------------------------------------------
@@ -274,12 +281,11 @@ class Hub:
                     self.journal.stepped(machine.id, effect.record)
                 except StorageFull:  # the disk is full (storage.py): the request ends here, with that reason
                     return sends + self._run(machine, machine.cancel(now, "storage_full"), now)
+                self.journaled[machine.id] = effect.record.step
             elif isinstance(effect, Stepped):
                 self.tracing.step(*effect)
             elif isinstance(effect, FirstToken):
                 self.tracing.first_token(effect.seconds)
-            elif isinstance(effect, DraftLaneSlow):
-                self.lanes.mark_slow("draft", now)
         self.changed.add(machine.id)
         tracked = self.front.requests.get(machine.id)
         if machine.result is not None and tracked is not None and tracked.finished_at is None:

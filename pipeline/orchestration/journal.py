@@ -35,11 +35,11 @@ from typing import TypeVar
 
 import msgspec
 
-from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
 from pipeline.orchestration.storage import StorageFull, is_full
+from pipeline.protocol.messages import StepRecord
 
 KEPT_FAULTS = 200
 FORMAT = 1  # PRAGMA user_version; 0: a journal from before formats were recorded, read as 1
@@ -71,24 +71,6 @@ class OpenedRecord(msgspec.Struct, kw_only=True, frozen=True):
     speculation: Speculation
     seed: int
     trace: dict[str, str] = {}
-
-
-class StepRecord(msgspec.Struct, array_like=True, frozen=True):
-    """What `Session` needs to replay one step: step 0 is the prefill's first token (its
-    `verify_seconds` is the prefill time). `draws` is the verifier's draw count after it."""
-
-    step: int
-    drafted: int
-    tokens: list[int]
-    accepted: int
-    draft_seconds: float
-    verify_seconds: float
-    draws: int
-    drafter: str = ""
-    depth: int | None = None  # levels of the verified tree (None: a chain of `drafted`)
-    offered: list[float] | None = None  # `tree.offered` of the step (None: a chain's)
-    logprobs: list[TokenLogprobs] = []  # the tokens' entries, when asked: a replay streams them again
-    bonus: bool = False  # the last token is the target's bonus, not a correction (`decoding.decided`)
 
 
 @dataclass

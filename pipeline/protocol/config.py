@@ -48,7 +48,12 @@ class Run(Section):
         default_factory=lambda: list(COMPONENTS)
     )
     heartbeat_seconds: float = 0.5
-    batch_window_seconds: float = 0.004  # how long the verifier waits to batch requests
+    # How long the verify lane waits for proposals still on their way from the draft lane, so those
+    # requests' steps join the same batched forward.
+    batch_window_seconds: float = 0.004
+    # Steps the verify lane may decide past what the orchestrator has journaled: it never waits for the
+    # orchestrator between two forwards unless it is this far ahead.
+    run_ahead: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
     # Prompt rows per verify-lane forward; the rest waits for the next forward, so other requests'
     # steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
     prefill_chunk: int = 128

@@ -2,10 +2,11 @@
 socket, each carrying the protocol version.
 
 Sockets and what they carry (the receiving side listens, senders dial):
-- verify lane inbox (data): Open, Verify, Close
-- draft lane inbox (data): DraftRequest, Close
+- verify lane inbox (data): Open, Close, StepsJournaled from the orchestrator; Drafted from the draft lane
+- draft lane inbox (data): DraftRequest, Close (from the verify lane, which drives each request's steps)
 - audit lane inbox (data): RequestOpened, StepEvent, SpeculativeEvent, FaultEvent, LaneSnapshot
-- orchestrator data inbox: Opened, Verified, Drafted, StepFailed, AuditAck
+- orchestrator data inbox: Decided, StepFailed (from the verify lane), AuditAck
+Inside the verify lane, its driver and its verifier exchange Verify, Opened and Verified.
 - orchestrator control inbox: Fault, LaneUp, LaneDown, LaneFailed, Heartbeat, Shutdown
 - orchestrator client socket (req/rep): Submit, Poll, Cancel, StatusQuery, MetricsQuery, Tokenize,
   Detokenize -> Submitted, Chunks, ErrorReply, StatusReport, MetricsReport, Tokens, Text
@@ -25,6 +26,7 @@ from pipeline.decoding.acceptance import Decision
 from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculation import Speculation
 
 PROTOCOL = 1
 
@@ -82,6 +84,26 @@ class Work(Message, frozen=True, kw_only=True):
     trace: dict[str, str] = {}
 
 
+class StepRecord(msgspec.Struct, array_like=True, frozen=True):
+    """One decided step: what `Session` needs to replay it (the orchestrator journals it, and a re-primed
+    verify lane replays the journaled ones): step 0 is the prefill's first token (its
+    `verify_seconds` is the prefill time). `draws` is the verifier's draw count after it."""
+
+    step: int
+    drafted: int
+    tokens: list[int]
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    draws: int
+    drafter: str = ""
+    depth: int | None = None  # levels of the verified tree (None: a chain of `drafted`)
+    offered: list[float] | None = None  # `tree.offered` of the step (None: a chain's)
+    logprobs: list[TokenLogprobs] = []  # the tokens' entries, when asked: a replay streams them again
+    bonus: bool = False  # the last token is the target's bonus, not a correction (`decoding.decided`)
+
+
+
 # --- data lane: orchestrator -> verify lane -------------------------------------------
 
 
@@ -104,6 +126,17 @@ class Open(Work, frozen=True, kw_only=True):
     prompt_length: int | None = None
     pending: int | None = None
     features: bool = False
+    # How the verify lane drives the request: its drafter and k policy, and (a re-prime) the steps
+    # journaled so far, which rebuild its session exactly as the orchestrator's.
+    speculation: Speculation = msgspec.field(default_factory=lambda: Speculation(drafter="none", k=0))
+    history: list[StepRecord] = []
+
+
+class StepsJournaled(Message, frozen=True, kw_only=True):
+    """The orchestrator has journaled each request's steps up to this number: the verify lane runs at most
+    `run.run_ahead` steps past it (a step not journaled was never shown to a client)."""
+
+    steps: dict[str, int]
 
 
 class Verify(Work, frozen=True, kw_only=True):
@@ -125,7 +158,7 @@ class Close(Message, frozen=True, kw_only=True):
     context: list[int] = []
 
 
-# --- data lane: orchestrator -> draft lane --------------------------------------------
+# --- data lane: verify lane -> draft lane ----------------------------------------------
 
 
 class DraftRequest(Work, frozen=True, kw_only=True):
@@ -146,7 +179,7 @@ class DraftRequest(Work, frozen=True, kw_only=True):
     features_at: int = 0
 
 
-# --- data lane: lanes -> orchestrator -------------------------------------------------
+# --- inside the verify lane (verifier -> driver), and draft lane -> verify lane ---------
 
 
 class Opened(Work, frozen=True, kw_only=True):
@@ -191,6 +224,15 @@ class Drafted(Work, frozen=True, kw_only=True):
     seconds: float
     parents: list[int] | None = None  # a token tree's shape; None: a chain
     shares: list[float] | None = None  # each node's share of its parent's candidates
+
+
+class Decided(Work, frozen=True, kw_only=True):
+    """A step the verify lane decided, to the orchestrator: the journal's record of it and its audit
+    event (`record` None: a re-primed request that was already over). `over`: no step follows."""
+
+    record: StepRecord | None
+    event: StepEvent | None = None
+    over: bool = False
 
 
 class StepFailed(Work, frozen=True, kw_only=True):
@@ -454,10 +496,10 @@ class Text(Message, frozen=True, kw_only=True):
     text: str
 
 
-VerifyInbox = Open | Verify | Close
+VerifyInbox = Open | Close | StepsJournaled | Drafted
 DraftInbox = DraftRequest | Close
 AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
-DataInbox = Opened | Verified | Drafted | StepFailed | AuditAck
+DataInbox = Decided | StepFailed | AuditAck
 ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
 ClientRequest = Submit | Poll | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize
 ClientReply = Submitted | Chunks | ErrorReply | StatusReport | MetricsReport | Tokens | Text
