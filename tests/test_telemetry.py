@@ -290,12 +290,13 @@ def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span
         s for s in scenario.files if s.name == "lane restart verify" and s.service.endswith("supervisor")
     ]
     assert [s.attributes["speclanes.lane.pid"] for s in supervisor] == [scenario.killed_pid]
-    # The draft lane survived: every step it answered has its span, none lost.
+    # The draft lane survived: every step decided with its draft has its span, none lost. It may have
+    # answered more: the killed verify lane's last request, a draft that came after its deadline.
     steps = scenario.steps[done.request_id]
     drafted = sorted(e.step for e in steps if e.drafter)
     assert drafted, "ngram drafted nothing: the scenario tests nothing"
-    spans = sorted(int(s.attributes["speclanes.step"]) for s in trace if s.name == "draft")
-    assert spans == drafted
+    spans = {int(s.attributes["speclanes.step"]) for s in trace if s.name == "draft"}
+    assert set(drafted) <= spans
     # The replacement verify lane's spans cover every step after the restart.
     verified_after = sorted(
         int(s.attributes["speclanes.step"])
