@@ -25,6 +25,7 @@ from starlette.types import Send
 
 from pipeline.api import choices
 from pipeline.api.errors import ApiError
+from pipeline.api.extension import worth_sending
 from pipeline.api.openai import DONE_EVENT, Formatter, event, failure, pipeline_error
 from pipeline.decoding.result import Result
 from pipeline.protocol.client import PipelineError
@@ -108,8 +109,9 @@ class Fanout:
                 if isinstance(item, Result):
                     done[index] = item
                     yield event(choices.closing_chunk(fmt, item, index))
-                elif item.text or item.logprobs:
-                    yield event(choices.indexed(self.streams[index].text(item.text, item.logprobs), index))
+                elif worth_sending(item, fmt.decided):
+                    chunk = self.streams[index].text(item.text, item.logprobs, item.decided)
+                    yield event(choices.indexed(chunk, index))
             if include_usage and len(done) == n:
                 yield event(choices.usage_chunk(fmt, [done[i] for i in range(n)]))
         finally:

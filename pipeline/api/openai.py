@@ -21,6 +21,7 @@ import msgspec
 
 from pipeline.api.chat_messages import ChatMessage, chat_messages
 from pipeline.api.errors import ApiError, decode_json
+from pipeline.api.extension import SpeclanesOptions, decided_field
 from pipeline.api.logprobs_format import LogprobsFormatter, requested
 from pipeline.decoding.grammar.format import ResponseFormatError, canonical_response_format
 from pipeline.decoding.logprobs import TokenLogprobs
@@ -104,6 +105,7 @@ class _Request(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # extension (as vLLM): keep generating past end-of-sequence
     speculation: SpeculationOptions | None = None  # extension
+    speclanes: SpeclanesOptions | None = None  # extension (api/extension.py): the web page asks for it
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -309,9 +311,10 @@ class Formatter:
 
     def __init__(
         self, chat: bool, request_id: str, model: str, created: int, prompt_tokens: int,
-        logprobs: bool = False,
+        logprobs: bool = False, decided: bool = False,
     ) -> None:  # fmt: skip
         self.chat, self.model, self.created, self.prompt_tokens = chat, model, created, prompt_tokens
+        self.decided = decided  # text chunks carry how their tokens were decided (api/extension.py)
         self.id = RESPONSE_PREFIXES["chat" if chat else "text"] + request_id  # what `audit show` takes
         self.logprobs = LogprobsFormatter(chat) if logprobs else None  # a stream's, across its chunks
 
@@ -346,11 +349,13 @@ class Formatter:
         """Chat streams open with the assistant's role, as OpenAI's do."""
         return self._chunk("", None, role=True) if self.chat else None
 
-    def text(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
+    def text(self, text: str, logprobs: Sequence[TokenLogprobs] = (), decided: str = "") -> dict[str, Any]:
         """A chunk of text, with the entries of the tokens the pipeline's chunk carried (their text
-        may come in a later chunk: text that might start a stop string is held back)."""
+        may come in a later chunk: text that might start a stop string is held back), and their
+        letters where the request asked (`decided`)."""
         entries = None if self.logprobs is None else self.logprobs.format(logprobs)
-        return self._chunk(text, None, logprobs=entries)
+        chunk = self._chunk(text, None, logprobs=entries)
+        return chunk | decided_field(decided) if self.decided else chunk
 
     def closing(self, done: Result) -> dict[str, Any]:
         """The chunk carrying finish_reason, with the speculation stats (an extension). No usage: as

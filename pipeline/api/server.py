@@ -37,6 +37,7 @@ from pipeline.api import tokenize as token_api
 from pipeline.api.body import read_body
 from pipeline.api.choices import choice_count, choice_submits
 from pipeline.api.errors import ApiError
+from pipeline.api.extension import asks_decided, worth_sending
 from pipeline.api.fanout import ChoicesStream, Fanout, open_choices
 from pipeline.api.health import Health, judge, unreachable
 from pipeline.api.keys import RequireKey, load_keys
@@ -52,6 +53,7 @@ from pipeline.api.openai import (
     pipeline_error,
     to_submit,
 )
+from pipeline.api.web import page_routes
 from pipeline.decoding.result import Result
 from pipeline.model.default import default_model_path
 from pipeline.model.errors import ModelFileError
@@ -230,6 +232,7 @@ class Gateway:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         req = decode_request(await read_body(request, self.config.gateway.max_body_bytes), chat)
+        decided = asks_decided(req.speclanes, req.stream)
         submit = to_submit(req, self.model, self.config.gateway.default_max_tokens)
         n = choice_count(req.n, self.config.gateway.max_choices)
         # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
@@ -243,7 +246,7 @@ class Gateway:
         generation = Generation(self, submitted.request_id)
         fmt = Formatter(
             chat, submitted.request_id, self.model, int(time.time()), submitted.prompt_tokens,
-            logprobs=submit.params.logprobs is not None,
+            logprobs=submit.params.logprobs is not None, decided=decided,
         )  # fmt: skip
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -277,7 +280,7 @@ class Gateway:
         opened = await open_choices(choice_submits(submit, n, base), start)
         fmt = Formatter(
             isinstance(req, ChatRequest), base, self.model, int(time.time()), opened[0][1],
-            logprobs=submit.params.logprobs is not None,
+            logprobs=submit.params.logprobs is not None, decided=asks_decided(req.speclanes, req.stream),
         )  # fmt: skip
         fanout = Fanout([generation for generation, _ in opened], fmt)
         if req.stream:
@@ -292,8 +295,8 @@ class Gateway:
                 yield event(opening)
             async for item in generation.items():
                 if not isinstance(item, Result):
-                    if item.text or item.logprobs:
-                        yield event(fmt.text(item.text, item.logprobs))
+                    if worth_sending(item, fmt.decided):
+                        yield event(fmt.text(item.text, item.logprobs, item.decided))
                 elif (error := failure(item)) is not None:
                     yield event(error.body())
                 else:
@@ -345,6 +348,7 @@ class Gateway:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
+            *page_routes(),  # the web page at / (api/web.py)
         ]
         handlers: dict[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
         keys = load_keys(self.config.gateway.api_key_file, os.environ)
