@@ -13,6 +13,7 @@ const $ = (id) => document.getElementById(id);
 const KEY_STORE = "speclanes.apiKey";
 const POLL_MS = 2000;
 const SPARK_POINTS = 60; // two minutes of scrapes
+const RATE_WINDOW_MS = 10000; // the pipeline's tokens/s: output tokens over the last ten seconds
 const STEP_COLUMNS = 40; // the step strip keeps the latest forward passes
 const MEANING = Object.fromEntries(
   (document.body.dataset.decided || "").split(";").filter(Boolean).map((pair) => pair.split(":")),
@@ -21,8 +22,8 @@ const MEANING = Object.fromEntries(
 const state = {
   history: [], // the conversation sent with each turn: {role, content}
   running: null, // the AbortController of the answer being streamed
-  lastScrape: null, // {time, outputTokens} of the previous /metrics scrape
-  rates: [], // output tokens per second, one point per scrape
+  scrapes: [], // {time, output}: the output token counter at each recent /metrics scrape
+  rates: [], // output tokens per second between scrapes, one point each
 };
 
 // --- the API key --------------------------------------------------------------------------
@@ -48,6 +49,7 @@ function wantKey(message) {
 function setUpKey() {
   const input = $("api-key");
   input.value = apiKey();
+  $("key-form").addEventListener("submit", (event) => event.preventDefault());
   input.addEventListener("input", () => {
     const key = input.value.trim();
     if (key) localStorage.setItem(KEY_STORE, key);
@@ -177,7 +179,8 @@ function showLive(painter, started, firstAt) {
   $("live-tokens").textContent = tokens;
   $("live-steps").textContent = painter.stepCount;
   $("live-per-step").textContent = painter.stepCount ? (tokens / painter.stepCount).toFixed(2) : "–";
-  $("live-acceptance").textContent = tokens ? `${Math.round((100 * painter.count("a")) / tokens)}% of tokens` : "–";
+  const drafted = painter.count("a");
+  $("live-acceptance").textContent = tokens ? `${drafted} of ${tokens} (${Math.round((100 * drafted) / tokens)}%)` : "–";
   $("live-ttft").textContent = firstAt ? `${Math.round(firstAt - started)} ms` : "–";
   $("live-tps").textContent = tokens && seconds > 0 ? (tokens / seconds).toFixed(1) : "–";
 }
@@ -235,7 +238,7 @@ function summary(meta, answer, painter, request) {
   };
   add("tokens", String(painter.letters.length));
   if (stats) {
-    add("forward passes", String(stats.steps));
+    $("live-drafter").textContent = stats.drafter || "none";
     add("drafts accepted", `${Math.round(100 * stats.acceptance_rate)}% (${stats.accepted} of ${stats.drafted})`);
     add("speed", `${stats.tokens_per_second.toFixed(1)} tok/s`);
     add("drafter", stats.drafter || "none");
@@ -352,14 +355,17 @@ function total(samples, name, where = () => true) {
 function showMetrics(samples) {
   const now = performance.now();
   const output = total(samples, "speclanes_tokens_usage_total", (l) => l.gen_ai_token_type === "output");
-  if (state.lastScrape) {
-    const seconds = (now - state.lastScrape.time) / 1000;
-    const rate = Math.max(0, output - state.lastScrape.outputTokens) / seconds;
+  const previous = state.scrapes[state.scrapes.length - 1];
+  if (previous) {
+    const rate = Math.max(0, output - previous.output) / ((now - previous.time) / 1000);
     state.rates = [...state.rates, rate].slice(-SPARK_POINTS);
-    $("pipe-tps").textContent = rate.toFixed(1);
     drawSpark($("spark"), state.rates);
   }
-  state.lastScrape = { time: now, outputTokens: output };
+  state.scrapes = [...state.scrapes.filter((s) => now - s.time <= RATE_WINDOW_MS), { time: now, output }];
+  const oldest = state.scrapes[0];
+  if (oldest.time < now) {
+    $("pipe-tps").textContent = (Math.max(0, output - oldest.output) / ((now - oldest.time) / 1000)).toFixed(1);
+  }
   const drafted = total(samples, "speclanes_tokens_drafted_total");
   const accepted = total(samples, "speclanes_tokens_accepted_total");
   $("pipe-acceptance").textContent = drafted ? `${Math.round((100 * accepted) / drafted)}%` : "–";
