@@ -371,7 +371,7 @@ function showMetrics(samples) {
   $("pipe-acceptance").textContent = drafted ? `${Math.round((100 * accepted) / drafted)}%` : "–";
   const active = total(samples, "speclanes_requests_active");
   const queued = total(samples, "speclanes_requests_queued");
-  $("pipe-requests").textContent = `${active} running · ${queued} queued`;
+  $("pipe-requests").textContent = `${active} / ${queued}`;
   $("pipe-tokens").textContent = output.toLocaleString();
   showLanes(samples);
 }
