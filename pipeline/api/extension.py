@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 
 from pipeline.api.errors import ApiError
-from pipeline.protocol.messages import Chunk
 
 
 class SpeclanesOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,8 +39,3 @@ def decided_field(letters: str) -> dict[str, Any]:
     """What a chunk gains when its request asked for the letters."""
     return {"speclanes": {"decided": letters}}
 
-
-def worth_sending(item: Chunk, decided: bool) -> bool:
-    """Whether a pipeline chunk becomes a streamed chunk: it has text or log-probabilities, or it has
-    letters the client asked for (tokens whose text is held back still say how they were decided)."""
-    return bool(item.text or item.logprobs or (decided and item.decided))
