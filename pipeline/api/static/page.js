@@ -14,7 +14,7 @@ const KEY_STORE = "speclanes.apiKey";
 const POLL_MS = 2000;
 const SPARK_POINTS = 60; // two minutes of scrapes
 const RATE_WINDOW_MS = 10000; // the pipeline's tokens/s: output tokens over the last ten seconds
-const STEP_COLUMNS = 40; // the step strip keeps the latest forward passes
+const STEP_COLUMNS = 28; // the step strip keeps the latest forward passes
 const MEANING = Object.fromEntries(
   (document.body.dataset.decided || "").split(";").filter(Boolean).map((pair) => pair.split(":")),
 );
@@ -398,6 +398,8 @@ function drawSpark(canvas, points) {
   const context = canvas.getContext("2d");
   context.scale(ratio, ratio);
   context.clearRect(0, 0, width, height);
+  context.fillStyle = "#e3e6eb"; // the baseline: zero tokens per second
+  context.fillRect(0, height - 3, width, 1);
   if (points.length < 2) return;
   const top = Math.max(1, ...points);
   const x = (i) => (i / (SPARK_POINTS - 1)) * width + (width - ((points.length - 1) / (SPARK_POINTS - 1)) * width);
