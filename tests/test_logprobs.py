@@ -21,9 +21,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import Logprobs
 
 from pipeline import cli
+from pipeline.api.chat import ChatFormatter
+from pipeline.api.completions import TextFormatter
 from pipeline.api.errors import ApiError
 from pipeline.api.logprobs_format import LogprobsFormatter
-from pipeline.api.openai import Formatter, decode_request, to_submit
 from pipeline.audit.verify import verify_request
 from pipeline.decoding.drafters import NoDraftSource, Proposal
 from pipeline.decoding.drafters.registry import make_draft_source
@@ -36,6 +37,7 @@ from pipeline.decoding.target import TargetState
 from pipeline.model import load_model
 from pipeline.protocol.messages import Chunk, Open
 
+from .api_surfaces import decode_request, to_submit
 from .orchestration_harness import World
 from .test_controls import reference_row, repetitive_prompt
 from .test_grammar import SHORT, schema_format
@@ -349,7 +351,7 @@ ENTRIES = [
 
 
 def test_chat_shapes_parse_as_the_openai_client_s_models():
-    fmt = Formatter(True, "r1", MODEL, 1, 3, logprobs=True)
+    fmt = ChatFormatter("r1", MODEL, 1, 3, logprobs=True)
     chunk = ChatCompletionChunk.model_validate(fmt.text("Hi", ENTRIES[:1]))
     content = chunk.choices[0].logprobs.content
     assert [(c.token, c.logprob, c.bytes) for c in content] == [("Hi", -0.25, list(b"Hi"))]
@@ -359,11 +361,11 @@ def test_chat_shapes_parse_as_the_openai_client_s_models():
     tokens = whole.choices[0].logprobs.content
     assert [t.token for t in tokens] == ["Hi", "bytes:\\xe2\\x80", "bytes:\\x94\\x21"]
     assert bytes(b for t in tokens for b in t.bytes).decode() == done.text  # the bytes are exact
-    assert Formatter(True, "r1", MODEL, 1, 3).response(done)["choices"][0]["logprobs"] is None  # not asked
+    assert ChatFormatter("r1", MODEL, 1, 3).response(done)["choices"][0]["logprobs"] is None  # not asked
 
 
 def test_completion_shapes_count_text_offsets_across_a_stream():
-    fmt = Formatter(False, "r1", MODEL, 1, 3, logprobs=True)
+    fmt = TextFormatter("r1", MODEL, 1, 3, logprobs=True)
     # Mid-stream chunks have finish_reason null, which the client's Completion model does not allow.
     first = Logprobs.model_validate(fmt.text("Hi", ENTRIES[:2])["choices"][0]["logprobs"])
     second = Logprobs.model_validate(fmt.text("—!", ENTRIES[2:])["choices"][0]["logprobs"])
@@ -372,7 +374,7 @@ def test_completion_shapes_count_text_offsets_across_a_stream():
     # The likeliest tokens and the chosen one ("up to logprobs + 1", as OpenAI documents).
     assert second.top_logprobs == [{"?": -0.5, "bytes:\\x94\\x21": -0.75}]
     done = Result(finish_reason="length", tokens=[5, 7, 6], text="Hi—!", logprobs=ENTRIES)
-    whole = Completion.model_validate(Formatter(False, "r1", MODEL, 1, 3, logprobs=True).response(done))
+    whole = Completion.model_validate(TextFormatter("r1", MODEL, 1, 3, logprobs=True).response(done))
     assert whole.choices[0].logprobs.text_offset == [0, 2, 2]
     assert LogprobsFormatter(False).format([])["tokens"] == []
 

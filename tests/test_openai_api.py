@@ -11,20 +11,13 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pipeline.api.openai import (
-    DEFAULT_TEMPERATURE,
-    DONE_EVENT,
-    NO_MAX_TOKENS,
-    ApiError,
-    Formatter,
-    body_too_large,
-    decode_request,
-    event,
-    failure,
-    pipeline_error,
-    to_submit,
-)
+from pipeline.api.chat import ChatFormatter
+from pipeline.api.completions import TextFormatter
+from pipeline.api.core import DEFAULT_TEMPERATURE, DONE_EVENT, NO_MAX_TOKENS, event, failure
+from pipeline.api.errors import ApiError, body_too_large, pipeline_error
 from pipeline.decoding.result import Result
+
+from .api_surfaces import decode_request, to_submit
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -325,7 +318,7 @@ def _done(finish_reason: str = "stop") -> Result:
 
 
 def test_chat_stream_chunks_parse_as_openai_chunks():
-    fmt = Formatter(True, "abc", MODEL, 1700000000, prompt_tokens=3)
+    fmt = ChatFormatter("abc", MODEL, 1700000000, prompt_tokens=3)
     opening = fmt.opening()
     assert opening is not None
     chunks = [opening, fmt.text("Hi"), fmt.text("!"), fmt.closing(_done()), fmt.usage_chunk(_done())]
@@ -344,7 +337,7 @@ def test_chat_stream_chunks_parse_as_openai_chunks():
 
 
 def test_text_completion_chunks_and_responses_parse_as_openai_objects():
-    fmt = Formatter(False, "abc", MODEL, 1700000000, prompt_tokens=3)
+    fmt = TextFormatter("abc", MODEL, 1700000000, prompt_tokens=3)
     assert fmt.opening() is None
     first = fmt.text("Hi")  # finish_reason null mid-stream, as OpenAI sends it (its model says non-null)
     assert (first["id"], first["object"], first["choices"][0]["text"]) == (
@@ -363,7 +356,7 @@ def test_text_completion_chunks_and_responses_parse_as_openai_objects():
 
 
 def test_chat_response_parses_as_an_openai_chat_completion():
-    fmt = Formatter(True, "abc", MODEL, 1700000000, prompt_tokens=3)
+    fmt = ChatFormatter("abc", MODEL, 1700000000, prompt_tokens=3)
     response = ChatCompletion.model_validate(fmt.response(_done()))
     assert response.object == "chat.completion" and response.id == "chatcmpl-abc"
     message = response.choices[0].message

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from pipeline.api.openai import body_too_large
+from pipeline.api.errors import body_too_large
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
+from pipeline.api.core import Formatter
 from pipeline.api.errors import ApiError
-from pipeline.api.openai import Formatter
 from pipeline.decoding.result import Result
 from pipeline.observability.request_ids import choice_id
 from pipeline.protocol.messages import Submit

@@ -24,8 +24,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from pipeline.api import choices
-from pipeline.api.errors import ApiError
-from pipeline.api.openai import DONE_EVENT, Formatter, event, failure, pipeline_error
+from pipeline.api.core import DONE_EVENT, Formatter, event, failure
+from pipeline.api.errors import ApiError, pipeline_error
 from pipeline.decoding.result import Result
 from pipeline.protocol.client import PipelineError
 from pipeline.protocol.messages import Submit
@@ -68,7 +68,7 @@ async def open_choices(
 class Fanout:
     def __init__(self, generations: list[Choice], fmt: Formatter) -> None:
         self.generations, self.fmt = generations, fmt
-        self.streams = [fmt.for_choice() for _ in generations]  # each choice's own logprobs offsets
+        self.streams = [fmt.for_choice() for _ in generations]  # each choice's own stream state
 
     async def close(self) -> None:
         for generation in self.generations:
@@ -107,9 +107,9 @@ class Fanout:
                     break
                 if isinstance(item, Result):
                     done[index] = item
-                    yield event(choices.closing_chunk(fmt, item, index))
-                elif item.text or item.logprobs:
-                    yield event(choices.indexed(self.streams[index].text(item.text, item.logprobs), index))
+                    yield event(choices.closing_chunk(self.streams[index], item, index))
+                elif (chunk := self.streams[index].text(item.text, item.logprobs, item.decided)) is not None:
+                    yield event(choices.indexed(chunk, index))
             if include_usage and len(done) == n:
                 yield event(choices.usage_chunk(fmt, [done[i] for i in range(n)]))
         finally:

@@ -1,5 +1,6 @@
 """API keys for the HTTP gateway, as vLLM (`--api-key`) and llama-server (`--api-key`) take them:
-`Authorization: Bearer <key>` on every endpoint but /health.
+`Authorization: Bearer <key>` on every endpoint but /health and the web page's own files (api/web.py),
+which hold nothing but the page that asks for the key.
 
 Keys come from the environment variable SPECLANES_API_KEY (one key) and from the file named by
 `gateway.api_key_file` (one key per line; blank lines and lines starting with # are skipped).
@@ -14,8 +15,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeline.api.web import PAGE_PATHS
+
 KEY_VARIABLE = "SPECLANES_API_KEY"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", *PAGE_PATHS})
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

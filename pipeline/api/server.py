@@ -1,12 +1,11 @@
 """The OpenAI-compatible HTTP gateway's application (its process is lanes/gateway.py, served by
-hypercorn's trio worker). It holds no model and
-no request state of its own: each HTTP request becomes one pipeline request through the
-orchestrator's client socket (`AsyncClient`), so exactness, batching and fault handling are
-the pipeline's. The wire format lives in api/openai.py; this module is HTTP and lifetimes.
+hypercorn's trio worker). It holds no model and no request state of its own: each HTTP request
+becomes one pipeline request through the orchestrator's client socket (`AsyncClient`), so
+exactness, batching and fault handling are the pipeline's.
 
-A client that goes away mid-request (stream or not) gets its pipeline request cancelled at
-once rather than after the orchestrator's idle timeout: the KV cache and the verifier's
-batch slot are freed for the clients still there.
+This module is HTTP: routes, readiness, errors. Each surface's wire format is its own module
+(api/chat.py, api/completions.py) over a shared core (api/core.py); one pipeline request's
+lifetime is api/generation.py's, `n` > 1 api/fanout.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import hypercorn
@@ -24,35 +23,25 @@ import hypercorn.trio
 import msgspec
 import trio
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pipeline import __version__
+from pipeline.api import chat, completions
 from pipeline.api import tokenize as token_api
 from pipeline.api.body import read_body
 from pipeline.api.choices import choice_count, choice_submits
-from pipeline.api.errors import ApiError
+from pipeline.api.core import Prepared, check_model
+from pipeline.api.errors import ApiError, pipeline_error
 from pipeline.api.fanout import ChoicesStream, Fanout, open_choices
+from pipeline.api.generation import Generation, collect, streamed
 from pipeline.api.health import Health, judge, unreachable
 from pipeline.api.keys import RequireKey, load_keys
-from pipeline.api.openai import (
-    DONE_EVENT,
-    ChatRequest,
-    CompletionRequest,
-    Formatter,
-    check_model,
-    decode_request,
-    event,
-    failure,
-    pipeline_error,
-    to_submit,
-)
-from pipeline.decoding.result import Result
+from pipeline.api.web import page_routes
 from pipeline.model.default import default_model_path
 from pipeline.model.errors import ModelFileError
 from pipeline.protocol.client import AsyncClient, PipelineError
@@ -64,41 +53,10 @@ log = logging.getLogger(__name__)
 READY_CHECK_SECONDS = 2.0  # how long a readiness check may take before the answer is 503
 READY_TRUST_SECONDS = 1.0  # a successful check is reused this long
 VERSION_STATUS_SECONDS = 1.0  # /version waits this long for the verify lane's runtime, then says null
-CANCEL_SECONDS = 5.0
 TRACE_HEADERS = ("traceparent", "tracestate")
-
-
-class Generation:
-    """One pipeline request behind one HTTP request: its chunks, and a cancel that is sent
-    exactly once unless the request has finished."""
-
-    def __init__(self, gateway: Gateway, request_id: str) -> None:
-        self.gateway, self.request_id = gateway, request_id
-        self.done: Result | None = None
-        self.closed = False
-        gateway.opened(self)
-
-    async def items(self) -> AsyncIterator[Any]:
-        async for item in self.gateway.client.chunks(self.request_id):
-            if isinstance(item, Result):
-                self.done = item
-            yield item
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.gateway.closed(self)
-        if self.done is not None:
-            self.gateway.client.forget(self.request_id)
-            return
-        log.info("client of %s went away: cancelling it", self.request_id)
-        with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_SECONDS):
-            try:
-                await self.gateway.client.cancel(self.request_id)
-            except PipelineError as exc:
-                log.warning("cancelling %s failed: %s", self.request_id, exc)
-        self.gateway.client.forget(self.request_id)
+# A surface's `prepare` (api/chat.py, ...): a body, the model served and gateway.default_max_tokens in,
+# the request ready for the pipeline out.
+Prepare = Callable[[bytes, str, int], Prepared]
 
 
 class Gateway:
@@ -223,114 +181,56 @@ class Gateway:
         )  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
-        return await self.generate(request, chat=False)
+        return await self.generate(request, completions.prepare)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self.generate(request, chat=True)
+        return await self.generate(request, chat.prepare)
 
-    async def generate(self, request: Request, chat: bool) -> Response:
-        req = decode_request(await read_body(request, self.config.gateway.max_body_bytes), chat)
-        submit = to_submit(req, self.model, self.config.gateway.default_max_tokens)
-        n = choice_count(req.n, self.config.gateway.max_choices)
+    async def generate(self, request: Request, prepare: Prepare) -> Response:
+        """Any surface's request: checked and made a Submit by its module (api/chat.py, ...), run in
+        the pipeline, answered by its formatter as a stream or one response (api/generation.py)."""
+        body = await read_body(request, self.config.gateway.max_body_bytes)
+        prepared = prepare(body, self.model, self.config.gateway.default_max_tokens)
+        n = choice_count(prepared.n, self.config.gateway.max_choices)
         # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
         trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
         # Owned by this process: if it dies, the orchestrator cancels what it was streaming.
-        submit = msgspec.structs.replace(submit, trace=trace, owner=f"gateway:{os.getpid()}")
+        submit = msgspec.structs.replace(prepared.submit, trace=trace, owner=f"gateway:{os.getpid()}")
         await self.require_ready()
         if n > 1:
-            return await self.generate_choices(request, req, submit, n)
-        submitted = await self.submit(req, submit)
+            return await self.generate_choices(request, prepared, submit, n)
+        submitted = await self.submit(prepared, submit)
         generation = Generation(self, submitted.request_id)
-        fmt = Formatter(
-            chat, submitted.request_id, self.model, int(time.time()), submitted.prompt_tokens,
-            logprobs=submit.params.logprobs is not None,
-        )  # fmt: skip
-        if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(
-                self.events(generation, fmt, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(generation.close),  # runs also when the client left
-            )
-        return JSONResponse(await self.collect(request, generation, fmt))
+        fmt = prepared.formatter(submitted.request_id, int(time.time()), submitted.prompt_tokens)
+        if prepared.stream:
+            return streamed(generation, fmt, prepared.include_usage)
+        return JSONResponse(await collect(request, generation, fmt))
 
-    async def submit(self, req: ChatRequest | CompletionRequest, submit: Submit) -> Submitted:
+    async def submit(self, prepared: Prepared, submit: Submit) -> Submitted:
         try:
             return await self.client.request(submit)
         except PipelineError as exc:
-            param = "messages" if isinstance(req, ChatRequest) else "prompt"
             # The orchestrator's refusals that concern one field start with its name.
-            param = next((f for f in ("logit_bias", "response_format") if exc.message.startswith(f)), param)
+            fields = {"logit_bias": "logit_bias", "response_format": prepared.format_param}
+            param = next((p for f, p in fields.items() if exc.message.startswith(f)), prepared.prompt_param)
             raise pipeline_error(exc.kind, exc.message, param) from None
 
     async def generate_choices(
-        self, request: Request, req: ChatRequest | CompletionRequest, submit: Submit, n: int
+        self, request: Request, prepared: Prepared, submit: Submit, n: int
     ) -> Response:
         """`n` > 1: n pipeline requests (api/choices.py), submitted at once, merged (api/fanout.py)."""
         base = uuid.uuid4().hex
 
         async def start(choice: Submit) -> tuple[Generation, int]:
-            submitted = await self.submit(req, choice)
+            submitted = await self.submit(prepared, choice)
             return Generation(self, submitted.request_id), submitted.prompt_tokens
 
         opened = await open_choices(choice_submits(submit, n, base), start)
-        fmt = Formatter(
-            isinstance(req, ChatRequest), base, self.model, int(time.time()), opened[0][1],
-            logprobs=submit.params.logprobs is not None,
-        )  # fmt: skip
+        fmt = prepared.formatter(base, int(time.time()), opened[0][1])
         fanout = Fanout([generation for generation, _ in opened], fmt)
-        if req.stream:
-            return ChoicesStream(fanout, req.stream_options is not None and req.stream_options.include_usage)
+        if prepared.stream:
+            return ChoicesStream(fanout, prepared.include_usage)
         return JSONResponse(await fanout.collect(request))
-
-    async def events(
-        self, generation: Generation, fmt: Formatter, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        try:
-            if (opening := fmt.opening()) is not None:
-                yield event(opening)
-            async for item in generation.items():
-                if not isinstance(item, Result):
-                    if item.text or item.logprobs:
-                        yield event(fmt.text(item.text, item.logprobs))
-                elif (error := failure(item)) is not None:
-                    yield event(error.body())
-                else:
-                    yield event(fmt.closing(item))
-                    if include_usage:
-                        yield event(fmt.usage_chunk(item))
-        except PipelineError as exc:  # the orchestrator went away mid-stream
-            yield event(pipeline_error(exc.kind, exc.message).body())
-        finally:
-            await generation.close()
-        yield DONE_EVENT
-
-    async def collect(self, request: Request, generation: Generation, fmt: Formatter) -> dict[str, Any]:
-        """The whole completion, while watching for the client to disconnect."""
-        done: Result | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    while (await request.receive())["type"] != "http.disconnect":
-                        pass
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(watch)
-                async for item in generation.items():
-                    if isinstance(item, Result):
-                        done = item
-                nursery.cancel_scope.cancel()
-        except PipelineError as exc:
-            raise pipeline_error(exc.kind, exc.message) from None
-        finally:
-            await generation.close()
-        if done is None:  # the client left; nobody reads this
-            raise ApiError(499, "the client closed the request", code="client_closed_request")
-        if (error := failure(done)) is not None:
-            raise error
-        return fmt.response(done)
 
     # --- the application ---------------------------------------------------------------
 
@@ -345,6 +245,7 @@ class Gateway:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
+            *page_routes(),  # the web page at / (api/web.py)
         ]
         handlers: dict[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
         keys = load_keys(self.config.gateway.api_key_file, os.environ)
