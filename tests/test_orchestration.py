@@ -20,6 +20,7 @@ from pipeline.orchestration.front import unknown
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
     BadMessage,
+    Decided,
     Chunks,
     ClientRequest,
     Close,
@@ -213,6 +214,45 @@ def test_a_lost_verify_step_is_sent_again_after_the_timeout(world, model):
     result = finished(world, request_id)
     assert result.tokens == reference(model, GREEDY).tokens
     assert world.faults("timeout") == ["verify"]
+
+
+def test_the_verify_lane_runs_at_most_run_ahead_steps_past_the_journal(world, model):
+    """With the orchestrator deaf (its inbox drops everything), the lane decides `run.run_ahead` steps
+    past the last journaled one and holds there; once the journal catches up it goes on."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    request_id = world.submit(PROMPT, params=params)
+    world.run(until=3)
+    journaled = world.hub.front.machine(request_id).step
+    world.orchestrator_dead = True
+    world.run()
+    driver = world.core.drivers[request_id]
+    assert driver.held and driver.step - driver.journaled == world.config.run.run_ahead
+    assert driver.journaled == journaled and world.hub.front.machine(request_id).step == journaled
+    world.orchestrator_dead = False
+    world.tick(2 * world.config.timeouts.verify)  # nothing came: the orchestrator re-primes
+    result = finished(world, request_id)
+    assert result.tokens == decode(
+        model, prompt_tokens(model.tokenizer, PROMPT, chat=False, messages=None), params, NoDraftSource(), k=0
+    ).tokens
+
+
+def test_a_lost_decided_step_is_a_gap_the_orchestrator_reprimes_over(world, model):
+    request_id = world.submit(PROMPT, params=SEEDED, drafter="ngram", k=4)
+    original, seen = world.reply, []
+
+    def lose_the_fourth(message):
+        if isinstance(message, Decided):
+            seen.append(message)
+            if len(seen) == 4:
+                return
+        original(message)
+
+    world.reply = lose_the_fourth
+    result = finished(world, request_id)
+    assert result.tokens == reference(model, SEEDED, "ngram").tokens
+    assert world.faults("timeout") == ["verify"]  # the gap, noticed at the next step
+    reprimes = [s.message for s in world.sent if isinstance(s.message, Open) and not s.message.sample]
+    assert len(reprimes) == 1 and reprimes[0].history and reprimes[0].step == 2
 
 
 def test_late_and_repeated_replies_change_nothing(world, model):

@@ -98,14 +98,14 @@ class RequestMachine:
             return []
         if isinstance(msg, StepFailed):
             if msg.kind == "unknown_request":
-                return self._reprime(now)
+                return self._restart(now)
             self.result = Result.failed(self.id, msg.kind, msg.message)
             return [Raise(msg.kind, "verify", msg.message, self.id), *self._release()]
         expected = self.step + 1 if self.history else 0
         record = msg.record
         if record is not None and record.step > expected:
             message = f"step {record.step} came after step {expected - 1}: a step was lost; re-priming"
-            return [Raise("timeout", "verify", message, self.id), *self._reprime(now)]
+            return [Raise("timeout", "verify", message, self.id), *self._restart(now)]
         effects: list[Effect] = []
         if record is not None and record.step == expected:
             effects = self._decided(msg, record, now)
@@ -120,7 +120,7 @@ class RequestMachine:
         """The verify lane is (back) up: re-prime what it lost or never got."""
         if not self.waiting_for_verify_lane or self.done:
             return []
-        return self._reprime(now) if self.history else self.begin(now)
+        return self._restart(now)
 
     def lane_down(self, lane: str, now: float) -> list[Effect]:
         if lane == "verify" and not self.done:
@@ -131,7 +131,7 @@ class RequestMachine:
         if self.done or now < self.deadline:
             return []
         message = f"no step decided since step {self.step}; re-priming the verify lane"
-        return [Raise("timeout", "verify", message, self.id), *self._reprime(now)]
+        return [Raise("timeout", "verify", message, self.id), *self._restart(now)]
 
     def cancel(self, now: float, reason: str = "cancelled") -> list[Effect]:  # server_shutdown, storage_full
         return [] if self.done else self._finish(now, reason)
@@ -154,7 +154,7 @@ class RequestMachine:
         decided yet; a finished request only frees the verify lane again."""
         if self.done:
             return self._release()
-        return self._reprime(now) if self.history else self.begin(now)
+        return self._restart(now)
 
     # --- steps -------------------------------------------------------------------------
 
@@ -198,6 +198,11 @@ class RequestMachine:
             message = f"the verify lane ended the request at step {self.step}, which this session would go on"
             return [Raise("verification_failed", "verify", message, self.id), *self._finish(now)]
         return self._finish(now)
+
+    def _restart(self, now: float) -> list[Effect]:
+        """The verify lane starts the request again where the journal stands: re-primed from the
+        journaled steps, or opened afresh if none was journaled yet."""
+        return self._reprime(now) if self.history else self.begin(now)
 
     def _reprime(self, now: float) -> list[Effect]:
         """Rebuild the verify lane's state for this request from the journaled steps, with the
