@@ -155,6 +155,27 @@ def test_a_tool_result_turn_and_auto_through_the_openai_client(client, model):
     assert answer.usage is not None and answer.usage.prompt_tokens > first.usage.prompt_tokens
 
 
+def test_responses_create_whole_and_streamed(client, model):
+    whole = client.responses.create(
+        model=model, input="Name the capital of France.", instructions="Answer in one short sentence.",
+        max_output_tokens=24, temperature=0,
+    )  # fmt: skip
+    assert whole.status in ("completed", "incomplete") and whole.output_text
+    events = list(client.responses.create(
+        model=model, input="Name the capital of France.", instructions="Answer in one short sentence.",
+        max_output_tokens=24, temperature=0, stream=True,
+    ))  # fmt: skip
+    assert events[0].type == "response.created" and events[-1].type == f"response.{whole.status}"
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == whole.output_text == events[-1].response.output_text
+    tool = {"type": "function", **WEATHER["function"]}
+    called = client.responses.create(
+        model=model, input=ASK, tools=[tool], tool_choice="required", max_output_tokens=LIMIT, temperature=0
+    )
+    item = called.output[0]
+    assert item.type == "function_call" and valid(item.name, item.arguments)
+
+
 # --- LangChain ------------------------------------------------------------------------------------
 
 
@@ -227,3 +248,17 @@ def test_llm_cli_with_a_tool(gateway_pipeline: Pipeline, model: str, tmp_path: P
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     jsonschema.validate(ast.literal_eval(called.group(1)), schema)
     assert "18 C, sunny" in done.stderr and done.stdout.strip()  # the tool ran; the model answered
+
+
+def test_langchain_over_the_responses_api(gateway_pipeline: Pipeline, model: str):
+    """`use_responses_api=True`: LangChain's newer code path, with a tool call forced by name."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    responses_model = langchain_openai.ChatOpenAI(
+        model=model, base_url=f"{gateway_pipeline.gateway_url}/v1", api_key="unused", temperature=0,
+        max_tokens=LIMIT, max_retries=0, use_responses_api=True,
+    )  # fmt: skip
+    assert responses_model.invoke("Name the capital of France.").text
+    bound = responses_model.bind_tools([WEATHER], tool_choice="get_weather")
+    message = bound.invoke("What is the weather in Paris right now?")
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"]
+    jsonschema.validate(message.tool_calls[0]["args"], SCHEMAS["get_weather"])
