@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 import pipeline  # noqa: F401  (sets the OpenBLAS environment before numpy loads)
 
+from .pipeline_harness import Pipeline, running_pipeline
 from .tinymodel import TinySpec, write_tiny_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -75,3 +78,21 @@ def portable_kernels(tmp_path_factory: pytest.TempPathFactory):
     lib = native.load_library(target)
     assert lib.has_vnni() == 0
     return lib
+
+
+@pytest.fixture(scope="session")
+def gateway_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
+    """One real pipeline with the default model behind its HTTP gateway, shared by every module that
+    talks to it as a client would (test_gateway.py, test_tools_gateway.py): each start costs seconds."""
+    # A long client_idle: a request freed sooner was cancelled by the gateway, not by the orchestrator.
+    settings = ["restart.initial_backoff=0.1", "timeouts.draft=5.0", "timeouts.client_idle=60"]
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # spans reach the trace files within a moment
+    with running_pipeline(tmp_path_factory.mktemp("gateway"), settings, env) as p:
+        yield p
+
+
+@pytest.fixture(scope="session")
+def gateway_client(gateway_pipeline: Pipeline) -> openai.OpenAI:
+    # No retries: a status must reach the test as the gateway sent it.
+    url = f"{gateway_pipeline.gateway_url}/v1"
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)

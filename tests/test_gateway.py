@@ -45,7 +45,7 @@ from pipeline.protocol.client import Client
 from pipeline.protocol.config import load_config
 
 from .grammar_cases import CITY, ORDER, PERSON, REVIEW, TOOL_CALL, bounded
-from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
+from .pipeline_harness import Pipeline, alive, free_port
 
 CODE = "Write a Python function that reverses a string, then explain it."
 PROMPTS = [
@@ -228,18 +228,13 @@ def test_a_taken_port_is_reported_in_one_line(tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    # A long client_idle: a request freed sooner was cancelled by the gateway, not by the orchestrator.
-    settings = ["restart.initial_backoff=0.1", "timeouts.draft=5.0", "timeouts.client_idle=60"]
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # spans reach the trace files within a moment
-    with running_pipeline(tmp_path_factory.mktemp("gateway"), settings, env) as p:
-        yield p
+def pipeline(gateway_pipeline: Pipeline) -> Pipeline:
+    return gateway_pipeline  # the session's one (conftest.py), shared with test_tools_gateway.py
 
 
 @pytest.fixture(scope="module")
-def client(pipeline: Pipeline) -> openai.OpenAI:
-    # No retries: a status must reach the test as the gateway sent it.
-    return openai.OpenAI(base_url=f"{pipeline.gateway_url}/v1", api_key="unused", max_retries=0, timeout=300)
+def client(gateway_client: openai.OpenAI) -> openai.OpenAI:
+    return gateway_client
 
 
 @pytest.fixture(scope="module")

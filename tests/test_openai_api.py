@@ -119,14 +119,13 @@ def message_error(*messages: dict) -> ApiError:
     [
         ({"role": "bogus", "content": "hi"}, "messages.1.role", "'bogus' is not a role"),
         ({"role": "User", "content": "hi"}, "messages.1.role", "'User' is not a role"),
-        ({"role": "tool", "content": "42", "tool_call_id": "x"}, "messages.1.role", "does not support tools"),
-        ({"role": "function", "content": "42", "name": "f"}, "messages.1.role", "does not support tools"),
+        ({"role": "tool", "content": None, "tool_call_id": "x"}, "messages.1.content", "missing or null"),
         ({"role": "user", "content": None}, "messages.1.content", "missing or null"),
         ({"role": "user"}, "messages.1.content", "missing or null"),
         ({"role": "assistant", "content": None}, "messages.1.content", "missing or null"),
-        (  # OpenAI's one null content: an assistant turn that calls tools, which this server has not
+        (  # OpenAI's one null content: an assistant turn that calls tools (here, with no call in it)
             {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
-            "messages.1.tool_calls", "does not support tools",
+            "messages", "missing required field `function`",
         ),
         (
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
@@ -201,8 +200,8 @@ def test_response_format_reaches_the_submit_as_its_canonical_text():
         ({"logit_bias": {str(2**70): 1}}, "logit_bias"),  # a key past any vocabulary (and msgpack's ints)
         ({"logit_bias": {"50256": "ban"}}, "logit_bias"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the legacy spelling: never ignored
-        ({"function_call": "auto"}, "function_call"),
+        ({"functions": [{"name": "f", "parameters": {"type": "array"}}]}, "functions"),  # never ignored
+        ({"function_call": "auto"}, "function_call"),  # with no functions to call
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),

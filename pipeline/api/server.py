@@ -4,7 +4,7 @@ becomes one pipeline request through the orchestrator's client socket (`AsyncCli
 exactness, batching and fault handling are the pipeline's.
 
 This module is HTTP: routes, readiness, errors. Each surface's wire format is its own module
-(api/chat.py, api/completions.py) over a shared core (api/core.py); one pipeline request's
+(api/chat.py, api/completions.py, api/responses.py) over a shared core (api/core.py); one pipeline request's
 lifetime is api/generation.py's, `n` > 1 api/fanout.py's.
 """
 
@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pipeline import __version__
-from pipeline.api import chat, completions
+from pipeline.api import chat, completions, responses
 from pipeline.api import tokenize as token_api
 from pipeline.api.body import read_body
 from pipeline.api.choices import choice_count, choice_submits
@@ -186,6 +186,9 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         return await self.generate(request, chat.prepare)
 
+    async def create_response(self, request: Request) -> Response:
+        return await self.generate(request, responses.prepare)
+
     async def generate(self, request: Request, prepare: Prepare) -> Response:
         """Any surface's request: checked and made a Submit by its module (api/chat.py, ...), run in
         the pipeline, answered by its formatter as a stream or one response (api/generation.py)."""
@@ -241,6 +244,7 @@ class Gateway:
             Route("/v1/models/{model:path}", self.model_card, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.create_response, methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),

@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-RESPONSE_PREFIXES = {"chat": "chatcmpl-", "text": "cmpl-"}  # OpenAI's id forms, as the gateway answers
+# OpenAI's id forms, as the gateway answers (chat and text completions, the Responses API).
+RESPONSE_PREFIXES = {"chat": "chatcmpl-", "text": "cmpl-", "responses": "resp_"}
 SHOWN_CANDIDATES = 10
 # The choices of one OpenAI request with n > 1 are requests `<base>-<index>` (api/choices.py): the
 # response's id `chatcmpl-<base>` is then a prefix of all of them, and naming it lists them.
