@@ -66,6 +66,9 @@ from pipeline.protocol.transport import Inbox, Outbox, listen
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.05
+# Messages a lane's socket holds while its pipe writes the ones before: the verify lane decides steps in
+# bursts (several requests per forward, run-ahead caught up), and each is an audit event to send at once.
+SEND_BUFFER = 256
 ADMITTING_THREADS = 2  # prompts tokenized at once; more Submits wait their turn (memory stays bounded)
 
 
@@ -75,7 +78,8 @@ class OrchestratorLane:
         self.hub, self.config, self.exposition = hub, config, exposition
         self.gauges = gauges_of(hub.status())  # replaced whole, so a reader in another thread sees one
         self.outboxes = {
-            name: Outbox(getattr(config.addresses, name), config.tls) for name in ("verify", "audit")
+            name: Outbox(getattr(config.addresses, name), config.tls, buffer=SEND_BUFFER)
+            for name in ("verify", "audit")
         }
         self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
         self.queued_for_verify = 0

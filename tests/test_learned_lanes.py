@@ -377,8 +377,8 @@ def test_a_pipeline_serves_learned_and_auto_exactly_through_lane_kills(tiny, tmp
             pipeline.wait_lane_up(lane, pid)
             served.append(done.request_id)
         for request_id in served:  # the audit trail proves each, kills included
-            verdict = verify_request(request_id, pipeline.events(request_id), model, None).verdict
-            assert verdict == "pass", request_id
+            report = verify_request(request_id, pipeline.events(request_id), model, None)
+            assert report.verdict == "pass", report
 
 
 def stream_through_a_kill(client, pid: int | None, params: SamplingParams) -> tuple[Result, int]:

@@ -20,11 +20,11 @@ from pipeline.orchestration.front import unknown
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
     BadMessage,
-    Decided,
     Chunks,
     ClientRequest,
     Close,
     Codec,
+    Decided,
     Drafted,
     DraftRequest,
     ErrorReply,
