@@ -44,12 +44,24 @@ async def serve(lane: LaneContext) -> None:
     window = config.run.batch_window_seconds
     lane.heartbeat()  # tells the orchestrator we are ready
 
+    reported: list[Out] = []  # decided steps not yet sent to the orchestrator
+    last_report = [trio.current_time()]
+
     async def send(out: list[Out]) -> None:
         for item in out:
             if item.lane == "draft":
                 if not drafts.put_nowait(item.message) and isinstance(item.message, DraftRequest):
                     await send(core.draft_unsent(item.message.request_id, trio.current_time()))
                 continue
+            reported.append(item)
+        now = trio.current_time()
+        if now - last_report[0] >= config.run.report_interval_seconds or not core.has_work():
+            last_report[0] = now
+            await report()
+
+    async def report() -> None:
+        out, reported[:] = list(reported), []
+        for item in out:
             if results.put_nowait(item.message):
                 continue
             try:  # the orchestrator is slow to take it: back-pressure, as run-ahead would give anyway

@@ -54,6 +54,10 @@ class Run(Section):
     # Steps the verify lane may decide past what the orchestrator has journaled: it never waits for the
     # orchestrator between two forwards unless it is this far ahead.
     run_ahead: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    # How often the verify lane sends its decided steps to the orchestrator while it keeps decoding: 0,
+    # after every forward; more means fewer, larger messages (fewer wake-ups of the orchestrator, the
+    # audit lane and polling clients) for up to that much added latency per token.
+    report_interval_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     # Prompt rows per verify-lane forward; the rest waits for the next forward, so other requests'
     # steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
     prefill_chunk: int = 128
