@@ -29,6 +29,69 @@ log = logging.getLogger(__name__)
 DRAFT_BUFFER = 256  # draft requests the draft lane's socket holds while its pipe writes the ones before
 
 
+class VerifyLane:
+    """The sockets around the core: the inbox, the draft lane's socket and the orchestrator's."""
+
+    def __init__(self, lane: LaneContext, core: VerifyCore) -> None:
+        config = lane.config
+        self.lane, self.core, self.config = lane, core, config
+        self.inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox, config.tls)
+        self.results = lane.replies()
+        self.drafts = Outbox(config.addresses.draft, config.tls, buffer=DRAFT_BUFFER)
+        self.reported: list[Out] = []  # decided steps not yet sent to the orchestrator
+        self.last_report = trio.current_time()
+
+    async def send(self, out: list[Out]) -> None:
+        """Draft requests at once; decided steps every `run.report_interval_seconds` while the lane
+        keeps decoding, and all of them as soon as it has nothing queued."""
+        for item in out:
+            if item.lane != "draft":
+                self.reported.append(item)
+            elif not self.drafts.put_nowait(item.message) and isinstance(item.message, DraftRequest):
+                await self.send(self.core.draft_unsent(item.message.request_id, trio.current_time()))
+        now = trio.current_time()
+        if now - self.last_report >= self.config.run.report_interval_seconds or not self.core.has_work():
+            self.last_report = now
+            await self.report()
+
+    async def report(self) -> None:
+        out, self.reported = self.reported, []
+        for item in out:
+            if self.results.put_nowait(item.message):
+                continue
+            try:  # the orchestrator is slow to take it: back-pressure, as run-ahead would give anyway
+                await self.results.put(item.message, timeout=self.config.timeouts.send)
+            except trio.TooSlowError:  # lost: the orchestrator re-primes the request from its journal
+                message = "the orchestrator did not take a decided step"
+                self.lane.fault("timeout", message, item.message.request_id)
+
+    async def receive(self, messages: list) -> None:
+        out: list[Out] = []
+        for msg in messages:
+            out += self.core.receive(msg, trio.current_time())
+        await self.send(out)
+
+    async def run(self) -> None:
+        core, inbox, window = self.core, self.inbox, self.config.run.batch_window_seconds
+        while True:
+            core.draft_lane.connected = self.drafts.connected()
+            if core.has_work():
+                await trio.sleep(0)  # let the heartbeat run between forwards
+                await self.receive(inbox.ready())
+            else:
+                with trio.move_on_at(core.next_deadline()):
+                    await self.receive([await inbox.next(), *inbox.ready()])
+            deadline = trio.current_time() + window
+            while core.awaiting_drafts() and trio.current_time() < deadline:
+                with trio.move_on_at(min(deadline, core.next_deadline())):
+                    await self.receive([await inbox.next(), *inbox.ready()])
+            await self.send(core.tick(trio.current_time()))
+            if core.has_work():
+                await self.send(core.forward(trio.current_time()))
+            core.verifier.expire()
+            self.lane.state.active_requests = len(core.drivers)
+
+
 async def serve(lane: LaneContext) -> None:
     config = lane.config
     path = Path(config.model.path or default_model_path())
@@ -38,60 +101,9 @@ async def serve(lane: LaneContext) -> None:
     warm_up(model.tokenizer)  # every response_format request's grammar is compiled for it
     verifier = Verifier(model, lane, config.run.prefill_chunk, stored_row_seconds(model, path))
     core = VerifyCore(verifier, lane, config, wall_offset=time.time() - trio.current_time())
-    inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox, config.tls)
-    results = lane.replies()
-    drafts = Outbox(config.addresses.draft, config.tls, buffer=DRAFT_BUFFER)
-    window = config.run.batch_window_seconds
+    sockets = VerifyLane(lane, core)
     lane.heartbeat()  # tells the orchestrator we are ready
-
-    reported: list[Out] = []  # decided steps not yet sent to the orchestrator
-    last_report = [trio.current_time()]
-
-    async def send(out: list[Out]) -> None:
-        for item in out:
-            if item.lane == "draft":
-                if not drafts.put_nowait(item.message) and isinstance(item.message, DraftRequest):
-                    await send(core.draft_unsent(item.message.request_id, trio.current_time()))
-                continue
-            reported.append(item)
-        now = trio.current_time()
-        if now - last_report[0] >= config.run.report_interval_seconds or not core.has_work():
-            last_report[0] = now
-            await report()
-
-    async def report() -> None:
-        out, reported[:] = list(reported), []
-        for item in out:
-            if results.put_nowait(item.message):
-                continue
-            try:  # the orchestrator is slow to take it: back-pressure, as run-ahead would give anyway
-                await results.put(item.message, timeout=config.timeouts.send)
-            except trio.TooSlowError:  # lost: the orchestrator re-primes the request from its journal
-                lane.fault("timeout", "the orchestrator did not take a decided step", item.message.request_id)
-
-    def receive(messages: list) -> list[Out]:
-        out: list[Out] = []
-        for msg in messages:
-            out += core.receive(msg, trio.current_time())
-        return out
-
-    while True:
-        core.draft_lane.connected = drafts.connected()
-        if core.has_work():
-            await trio.sleep(0)  # let the heartbeat run between forwards
-            await send(receive(inbox.ready()))
-        else:
-            with trio.move_on_at(core.next_deadline()):
-                await send(receive([await inbox.next(), *inbox.ready()]))
-        deadline = trio.current_time() + window
-        while core.awaiting_drafts() and trio.current_time() < deadline:
-            with trio.move_on_at(min(deadline, core.next_deadline())):
-                await send(receive([await inbox.next(), *inbox.ready()]))
-        await send(core.tick(trio.current_time()))
-        if core.has_work():
-            await send(core.forward(trio.current_time()))
-        verifier.expire()
-        lane.state.active_requests = len(core.drivers)
+    await sockets.run()
 
 
 def main() -> None:

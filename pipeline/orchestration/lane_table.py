@@ -1,7 +1,7 @@
 """What the orchestrator knows of each lane: state, pid, restarts, totals, runtime.
 
 Fed by the control lane (the supervisor's LaneUp/LaneDown/LaneFailed, each lane's Heartbeat); read
-by request machines (is the verify lane up, is the draft lane worth asking) and by `status`.
+by request machines (is the verify lane up) and by `status`.
 A heartbeat from a pid already reported dead is ignored: it was in flight when it died. A failed
 lane (past the restart intensity) stays failed: the supervisor starts no other.
 """
@@ -25,14 +25,10 @@ class LaneView:
     restarts: int = 0
     totals: SpeculativeState = field(default_factory=SpeculativeState)
     last_beat: float = -math.inf
-    slow_since: float | None = None  # a draft timed out; skip drafting until a newer heartbeat
     dead_pids: set[int] = field(default_factory=set)
     runtime: dict[str, Any] = field(default_factory=dict)
     snapshot_at: float = -math.inf  # when its totals last went to the audit trail
     reason: str = ""  # why it failed: its own last error line
-
-    def usable(self) -> bool:
-        return self.state == "up" and (self.slow_since is None or self.last_beat > self.slow_since)
 
     def status(self) -> LaneStatus:
         return LaneStatus(
@@ -54,12 +50,6 @@ class LaneTable:
 
     def is_up(self, name: str) -> bool:
         return name in self.views and self.views[name].state == "up"
-
-    def usable(self, name: str) -> bool:
-        return name in self.views and self.views[name].usable()
-
-    def mark_slow(self, name: str, now: float) -> None:
-        self.views[name].slow_since = now
 
     def update(self, msg: LaneUp | LaneDown | LaneFailed | Heartbeat, now: float) -> Change:
         if msg.lane == "gateway":

@@ -340,13 +340,6 @@ class Verifier:
         """Prompts are still being fed: the lane must run another forward without waiting for mail."""
         return bool(self.prefilling)
 
-    def waiting_for_more(self, messages: list[object]) -> bool:
-        """Other active requests may be about to send a step: worth a short wait to batch them."""
-        steps = {m.request_id for m in messages if isinstance(m, Verify)}
-        return (
-            bool(steps) and len(steps) < len(self.requests) and not any(isinstance(m, Open) for m in messages)
-        )
-
 
 def features_of(target: TargetState) -> dict[str, Any]:
     """An Opened's or Verified's `features` fields: the rows the target kept at its last prefill or step
