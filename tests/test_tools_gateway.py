@@ -222,6 +222,23 @@ def test_langchain_structured_output_by_function_calling(langchain_model):
     assert isinstance(answer, Weather) and answer.city in ("Paris", "London", "Tokyo")
 
 
+def test_langchain_counts_streamed_usage_once(gateway_pipeline: Pipeline, model: str):
+    """`stream_usage=True` sums the usage of every chunk: only the include_usage chunk may carry it."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    streaming = langchain_openai.ChatOpenAI(
+        model=model, base_url=f"{gateway_pipeline.gateway_url}/v1", api_key="unused", temperature=0,
+        max_tokens=LIMIT, max_retries=0, stream_usage=True,
+    )  # fmt: skip
+    question = "Name three colours."
+    whole = streaming.invoke(question).usage_metadata
+    chunks = list(streaming.stream(question))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed = streamed + chunk
+    assert whole is not None and streamed.usage_metadata == whole
+    assert whole["input_tokens"] > 0 and 0 < whole["output_tokens"] <= LIMIT
+
+
 # --- llm ----------------------------------------------------------------------------------------------
 
 
