@@ -11,9 +11,11 @@ import collections
 import json
 import re
 from pathlib import Path
+from typing import get_args
 
 import msgspec
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.decoding.result import Result
@@ -21,8 +23,9 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.model import Model
 from pipeline.observability.prometheus import PrometheusExposition
 from pipeline.observability.telemetry import TelemetryError, check
+from pipeline.orchestration.tracing import FAULT_LANES, OUTCOMES
 from pipeline.protocol.config import Config
-from pipeline.protocol.messages import Fault, RequestOpened, StepEvent
+from pipeline.protocol.messages import Fault, FaultKind, RequestOpened, StepEvent
 
 from .orchestration_harness import World
 from .tinymodel import TinySpec, write_tiny_gguf
@@ -115,6 +118,38 @@ def test_counters_agree_with_status_the_results_and_the_audit_events(scenario):
     assert lanes["verify"] == steps and 0 < lanes["draft"] <= steps
 
 
+def test_outcomes_and_request_times_agree_with_status_and_the_results(scenario):
+    """How each request ended, its queue, prefill and per-token times, with the GenAI conventions'
+    labels on their instruments."""
+    world, results, found = scenario
+    outcomes = {
+        (got["speclanes_outcome"], got["gen_ai_response_finish_reasons"]): value
+        for got, value in found["speclanes_requests_total"]
+    }
+    assert outcomes.keys() == {(o, reason) for o, reasons in OUTCOMES.items() for reason in reasons}
+    finished = by_label(found, "speclanes_requests_total", "speclanes_outcome")
+    assert finished == {"finished": len(results), "aborted": 0, "error": 0}
+    assert finished["finished"] + finished["aborted"] == world.hub.status().totals.runs
+    for name in (
+        "speclanes_request_queue_time_seconds_count",
+        "speclanes_request_prefill_time_seconds_count",
+    ):
+        assert total(found, name) == len(results), name
+    tpot = [(r.stats.wall_seconds - r.stats.prefill_seconds) / (len(r.tokens) - 1) for r in results]
+    assert total(found, "gen_ai_server_time_per_output_token_seconds_count") == len(results)
+    assert total(found, "gen_ai_server_time_per_output_token_seconds_sum") == pytest.approx(sum(tpot))
+    queued = total(found, "speclanes_request_queue_time_seconds_sum")
+    prefill = total(found, "speclanes_request_prefill_time_seconds_sum")
+    first = total(found, "gen_ai_server_time_to_first_token_seconds_sum")
+    assert prefill > 0 and queued + prefill == pytest.approx(first)  # the first token's time, split in two
+    genai = {"gen_ai_operation_name": "text_completion", "gen_ai_provider_name": "speclanes"}
+    for name in (
+        "gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_request_duration_seconds_count",
+        "gen_ai_server_time_per_output_token_seconds_count",
+    ):  # fmt: skip
+        assert total(found, name, **genai) == total(found, name) == len(results), name
+
+
 def test_acceptance_by_position_is_counted_from_every_step(scenario):
     world, results, found = scenario
     want_drafted, want_accepted = collections.Counter(), collections.Counter()
@@ -134,7 +169,13 @@ def test_faults_restarts_and_lanes_agree_with_status(scenario):
     world, _, found = scenario
     status = world.hub.status()
     kinds = collections.Counter(f.kind for f in status.faults)
-    assert by_label(found, "speclanes_faults_total", "speclanes_fault_kind") == kinds
+    counted = by_label(found, "speclanes_faults_total", "speclanes_fault_kind")
+    assert {kind: n for kind, n in counted.items() if n} == kinds
+    # Every kind on every lane is a series from the start, at 0 until it happens.
+    series = {
+        (got["speclanes_fault_kind"], got["speclanes_lane"]) for got, _ in found["speclanes_faults_total"]
+    }
+    assert series == {(kind, lane) for kind in get_args(FaultKind) for lane in FAULT_LANES}
     assert kinds["draft_failed"] == 1 and kinds["lane_down"] == 1  # the lane's own report is counted too
     restarts = by_label(found, "speclanes_lane_restarts_total", "speclanes_lane")
     assert restarts == {lane.name: lane.restarts for lane in status.lanes} and restarts["draft"] == 1
@@ -149,20 +190,89 @@ def test_active_and_queued_are_what_status_shows_at_the_scrape(model):
     config = msgspec.convert({"admission": {"max_running": 1}}, Config)
     world = World(model, config=config, readers=[exposition.reader])
     world.up()
-    first, _ = world.submit(PROMPT, params=GREEDY), world.submit(PROMPT, params=GREEDY)
+    first, second = world.submit(PROMPT, params=GREEDY), world.submit(PROMPT, params=GREEDY)
     found, status = samples(exposition.text()), world.hub.status()
     assert (status.active_requests, status.queued_requests) == (1, 1)
     assert total(found, "speclanes_requests_active") == 1 and total(found, "speclanes_requests_queued") == 1
     assert total(found, "speclanes_audit_pending") == status.audit_pending > 0  # nothing acknowledged yet
+    world.run(until=12)  # some steps of the first decided and journaled; the second waits
+    held = len(world.hub.front.machine(first).session.context)
+    found, capacity = samples(exposition.text()), model.cfg.context_length  # one running place
+    assert 0 < held < capacity and world.result(first) is None
+    assert total(found, "speclanes_kv_cache_tokens") == held
+    assert total(found, "speclanes_kv_cache_capacity") == capacity
+    assert total(found, "speclanes_kv_cache_usage") == pytest.approx(held / capacity)
+    world.feed(world.hub.cancel(second, world.secrets[second], world.now)[1])  # ended while queued
     world.run()
     found = samples(exposition.text())
     assert total(found, "speclanes_requests_active") == total(found, "speclanes_requests_queued") == 0
     assert world.result(first) is not None
+    assert total(found, "speclanes_kv_cache_tokens") == total(found, "speclanes_kv_cache_usage") == 0
+    ended = by_label(found, "speclanes_requests_total", "gen_ai_response_finish_reasons")
+    assert (ended["length"], ended["cancelled"]) == (1, 1)
+    assert total(found, "speclanes_requests_total", speclanes_outcome="aborted") == 1
+    assert total(found, "speclanes_request_queue_time_seconds_count") == 1  # the second never left the queue
 
 
 def test_the_prometheus_exporter_is_refused_in_favour_of_the_gateway():
     with pytest.raises(TelemetryError, match="GET /metrics"):
         check({"OTEL_METRICS_EXPORTER": "prometheus"})
+
+
+# --- the relabelling for vLLM dashboards (docs/operations.md) -------------------------------
+
+OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+VLLM_SERIES = {
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    *(f"vllm:{h}_seconds_{s}" for s in ("bucket", "sum", "count") for h in (
+        "time_to_first_token", "time_per_output_token", "e2e_request_latency", "request_queue_time",
+        "request_prefill_time")),
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+}  # fmt: skip
+
+
+def relabel_rules() -> list[dict]:
+    """The `metric_relabel_configs` of the documented scrape job."""
+    text = OPERATIONS.read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    jobs = [job for block in blocks for job in yaml.safe_load(block).get("scrape_configs", [])]
+    (job,) = [job for job in jobs if "metric_relabel_configs" in job]
+    return job["metric_relabel_configs"]
+
+
+def relabel(labels: dict[str, str], rules: list[dict]) -> dict[str, str]:
+    """Prometheus's `replace` and `labelmap` actions: regexes anchored at both ends, `$1` and `${1}`
+    for groups, source label values joined by `;`."""
+    labels = dict(labels)
+    for rule in rules:
+        regex = re.compile(rule["regex"])
+        replacement = re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", rule["replacement"])
+        if rule.get("action", "replace") == "labelmap":
+            mapped = {regex.sub(replacement, k): v for k, v in labels.items() if regex.fullmatch(k)}
+            labels.update(mapped)
+            continue
+        assert rule.get("action", "replace") == "replace", rule
+        if (match := regex.fullmatch(";".join(labels.get(n, "") for n in rule["source_labels"]))) is not None:
+            labels[rule["target_label"]] = match.expand(replacement)
+    return labels
+
+
+def test_the_documented_relabelling_gives_the_series_vllm_dashboards_read(scenario):
+    _, results, found = scenario
+    rules, renamed = relabel_rules(), collections.defaultdict(list)
+    for name, values in found.items():
+        for got, value in values:
+            labels = relabel({**got, "__name__": name}, rules)
+            renamed[labels["__name__"]].append((labels, value))
+    assert renamed.keys() >= VLLM_SERIES, sorted(VLLM_SERIES - renamed.keys())
+    assert all(labels["model_name"] == "tiny" for labels, _ in renamed["vllm:prompt_tokens_total"])
+    success = {labels["finished_reason"]: value for labels, value in renamed["vllm:request_success_total"]}
+    assert success == {"stop": 0, "length": len(results), "max_iterations_exceeded": 0}
+    assert total(renamed, "vllm:generation_tokens_total") == sum(len(r.tokens) for r in results)
+    positions = by_label(renamed, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position")
+    assert positions == by_label(found, "speclanes_position_accepted_total", "speclanes_position")
 
 
 # --- the Grafana dashboard ------------------------------------------------------------------

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from pipeline.observability.serving_metrics import ServingMetrics
+
 # Bucket edges in seconds for step latencies (tens of ms per forward) and request times.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 REQUEST_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
@@ -60,6 +62,9 @@ class PositionTally:
 class PipelineMetrics:
     def __init__(self, meter: Meter, model: str) -> None:
         self.base = {"gen_ai.request.model": model}
+        # The GenAI conventions require these two of their instruments; each call adds the operation.
+        self.genai = {**self.base, "gen_ai.provider.name": "speclanes"}
+        self.serving = ServingMetrics(meter, self.base, self.genai)  # outcomes, queue, prefill, KV cache
         self.drafted = meter.create_counter(
             "speclanes.tokens.drafted", "{token}", "Draft tokens sent to the verifier"
         )
@@ -196,8 +201,8 @@ class PipelineMetrics:
     def admitted(self, prompt_tokens: int) -> None:
         self.token_usage.add(prompt_tokens, {**self.base, "gen_ai.token.type": "input"})
 
-    def first_token(self, seconds: float) -> None:
-        self.ttft.record(seconds, self.base)
+    def first_token(self, seconds: float, operation: str) -> None:
+        self.ttft.record(seconds, {**self.genai, "gen_ai.operation.name": operation})
 
     def step(
         self, drafter: str, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float
@@ -214,12 +219,20 @@ class PipelineMetrics:
             self.step_duration.record(draft_seconds, self.lane_attributes["draft"])
         self.step_duration.record(verify_seconds, self.lane_attributes["verify"])
 
-    def finished(self, output_tokens: int, seconds: float, finish_reason: str) -> None:
+    def finished(self, output_tokens: int, seconds: float, finish_reason: str, operation: str) -> None:
         attrs = {**self.base, "gen_ai.response.finish_reasons": finish_reason}
         self.token_usage.add(output_tokens, {**self.base, "gen_ai.token.type": "output"})
-        self.request_duration.record(seconds, attrs)
+        self.request_duration.record(seconds, {**attrs, **self.genai, "gen_ai.operation.name": operation})
         if seconds > 0:
             self.tokens_per_second.record(output_tokens / seconds, attrs)
 
-    def fault(self, kind: str, lane: str) -> None:
-        self.faults.add(1, {"speclanes.fault.kind": kind, "speclanes.lane": lane})
+    def fault(self, kind: str, lane: str, count: int = 1) -> None:
+        self.faults.add(count, {"speclanes.fault.kind": kind, "speclanes.lane": lane})
+
+    def preset_faults(self, kinds: Iterable[str], lanes: Iterable[str]) -> None:
+        """Every fault kind on every lane at 0 from the start: a series that first appears at 1
+        hides that fault from `increase()` and `rate()`."""
+        lanes = tuple(lanes)
+        for kind in kinds:
+            for lane in lanes:
+                self.fault(kind, lane, 0)

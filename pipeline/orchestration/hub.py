@@ -89,6 +89,7 @@ class Hub:
         self.closing = Closing()  # the supervisor is stopping the pipeline (closing.py)
         self.queue = AdmissionQueue(config.admission)
         self.journaled: dict[str, int] = {}  # steps journaled since the verify lane was last told
+        tracing.cache_capacity(context_length * config.admission.max_running)  # the KV-cache gauge's
 
     # --- clients ----------------------------------------------------------------------
 
@@ -270,7 +271,8 @@ class Hub:
         for effect in effects:
             if isinstance(effect, Send):
                 if effect.lane == "verify":
-                    self.tracing.dequeued(machine.id)
+                    waited = now - machine.who.started if machine.result is None else None  # None: a Close
+                    self.tracing.dequeued(machine.id, waited)
                 sends.append(effect)
             elif isinstance(effect, Record):
                 sends += self._record(effect.event, now)
@@ -282,10 +284,11 @@ class Hub:
                 except StorageFull:  # the disk is full (storage.py): the request ends here, with that reason
                     return sends + self._run(machine, machine.cancel(now, "storage_full"), now)
                 self.journaled[machine.id] = effect.record.step
+                self.tracing.holds(machine.id, len(machine.session.context))
             elif isinstance(effect, Stepped):
                 self.tracing.step(*effect)
             elif isinstance(effect, FirstToken):
-                self.tracing.first_token(effect.seconds)
+                self.tracing.first_token(effect.seconds, machine.id)
         self.changed.add(machine.id)
         tracked = self.front.requests.get(machine.id)
         if machine.result is not None and tracked is not None and tracked.finished_at is None:

@@ -2,10 +2,14 @@
 
 The request's root span (GenAI conventions) parents every lane's spans through the W3C
 context carried by each message. Its trace also shows the time queued for a verify lane,
-every fault that concerned it and every lane restart it lived through.
+every fault that concerned it and every lane restart it lived through. The metrics count how
+each request ended (`OUTCOMES`), its queue, prefill and per-token times, and the tokens it holds
+in the verify lane's cache (observability/serving_metrics.py).
 """
 
 from __future__ import annotations
+
+from typing import get_args
 
 from opentelemetry.trace import Span, SpanKind
 
@@ -14,7 +18,24 @@ from pipeline.decoding.sampling import MAX_TOKENS_LIMIT
 from pipeline.decoding.speculation import Speculation
 from pipeline.observability.metrics import LaneGauge, PipelineGauges, PipelineMetrics
 from pipeline.observability.telemetry import Telemetry, carrier, fail
-from pipeline.protocol.messages import LaneDown, StatusReport, Submit
+from pipeline.orchestration.lane_table import LANES
+from pipeline.protocol.messages import FaultKind, LaneDown, StatusReport, Submit
+
+# How a request ended, by its finish reason: on its own (finished), ended early by its client, its
+# connection's end, the server's shutdown or a full disk (aborted), or failed (error).
+OUTCOMES = {
+    "finished": ("stop", "length", "max_iterations_exceeded"),
+    "aborted": ("cancelled", "server_shutdown", "storage_full"),
+    "error": ("error",),
+}
+FAULT_LANES = (*LANES, "gateway")  # the processes a fault can name
+RESUMED_OPERATION = "generate_content"  # a resumed request's Submit (chat or not) is not journaled
+
+
+def outcome(result: Result) -> str:
+    if result.error is not None:
+        return "error"
+    return "aborted" if result.finish_reason in OUTCOMES["aborted"] else "finished"
 
 
 class RequestTracing:
@@ -23,6 +44,18 @@ class RequestTracing:
         self.roots: dict[str, Span] = {}
         self.queued: dict[str, Span] = {}
         self.restarts: dict[str, list[Span]] = {}  # per lane: spans of requests waiting out its restart
+        self.operations: dict[str, str] = {}  # per request: chat or text_completion (GenAI conventions)
+        self.waited: dict[str, float] = {}  # per request: seconds from admission to its prompt's going
+        metrics.preset_faults(get_args(FaultKind), FAULT_LANES)
+        metrics.serving.preset(OUTCOMES)
+
+    def cache_capacity(self, tokens: int) -> None:
+        """What the KV-cache usage gauge divides by: the context length times the running places."""
+        self.metrics.serving.cache.capacity = tokens
+
+    def holds(self, request_id: str, tokens: int) -> None:
+        """The request's tokens (prompt and journaled output) the verify lane holds now."""
+        self.metrics.serving.cache.hold(request_id, tokens)
 
     def start(
         self, request_id: str, msg: Submit, seed: int, prompt_tokens: int, speculation: Speculation
@@ -48,7 +81,7 @@ class RequestTracing:
         root = self.telemetry.start(
             f"{operation} {self.model_id}", msg.trace, attributes, kind=SpanKind.SERVER
         )
-        self.roots[request_id] = root
+        self.roots[request_id], self.operations[request_id] = root, operation
         self.queued[request_id] = self.telemetry.start(
             "queue", root
         )  # until its prompt goes to a verify lane
@@ -63,9 +96,14 @@ class RequestTracing:
             f"resumed {self.model_id}", trace, attributes, kind=SpanKind.SERVER
         )
 
-    def dequeued(self, request_id: str) -> None:
+    def dequeued(self, request_id: str, waited: float | None = None) -> None:
+        """Its prompt went to the verify lane `waited` seconds after admission (None: it ended
+        while queued, or was never queued here)."""
         if (span := self.queued.pop(request_id, None)) is not None:
             span.end()
+            if waited is not None:
+                self.waited[request_id] = waited
+                self.metrics.serving.dequeued(waited)
 
     def fault(
         self, kind: str, lane: str, message: str, request_ids: list[str], step: int | None = None
@@ -104,12 +142,23 @@ class RequestTracing:
     ) -> None:
         self.metrics.step(drafter, drafted, accepted, draft_seconds, verify_seconds)
 
-    def first_token(self, seconds: float) -> None:
-        self.metrics.first_token(seconds)
+    def first_token(self, seconds: float, request_id: str) -> None:
+        """`seconds` from admission; less the queue time, the prefill's."""
+        self.metrics.first_token(seconds, self.operations.get(request_id, RESUMED_OPERATION))
+        if (waited := self.waited.pop(request_id, None)) is not None:
+            self.metrics.serving.prefilled(max(seconds - waited, 0.0))
 
     def end(self, result: Result, seconds: float) -> None:
-        self.dequeued(result.request_id)
-        self.metrics.finished(len(result.tokens), seconds, result.finish_reason)
+        request_id, tokens, serving = result.request_id, len(result.tokens), self.metrics.serving
+        self.dequeued(request_id)
+        self.waited.pop(request_id, None)
+        serving.cache.release(request_id)
+        operation = self.operations.pop(request_id, RESUMED_OPERATION)
+        self.metrics.finished(tokens, seconds, result.finish_reason, operation)
+        serving.ended(outcome(result), result.finish_reason)
+        first = result.stats.prefill_seconds  # from admission to the first token
+        if result.error is None and tokens > 1 and 0 < first <= seconds:
+            serving.per_output_token((seconds - first) / (tokens - 1), operation)
         root = self.roots.pop(result.request_id, None)
         if root is None:
             return
