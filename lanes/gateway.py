@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 
 async def serve(lane: LaneContext) -> None:
-    gateway = Gateway(lane.config, lane.state)
+    gateway = Gateway(lane.config, lane.state, lane.telemetry)  # HTTP server spans: api/http_spans.py
     log.info("serving model %s over HTTP; orchestrator at %s", gateway.model, lane.config.addresses.client)
     settings = hypercorn_config(lane.config)
     try:

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import jsonschema
 import msgspec
@@ -41,8 +41,10 @@ from pipeline.decoding.speculative import decode
 from pipeline.model.default import default_model_path
 from pipeline.model.prompts import prompt_tokens
 from pipeline.observability.trace_files import read_spans, trace_files
+from pipeline.orchestration.tracing import FAULT_LANES, OUTCOMES
 from pipeline.protocol.client import Client
 from pipeline.protocol.config import load_config
+from pipeline.protocol.messages import FaultKind
 
 from .grammar_cases import CITY, ORDER, PERSON, REVIEW, TOOL_CALL, bounded
 from .pipeline_harness import Pipeline, alive, free_port
@@ -306,6 +308,54 @@ def test_openai_streaming_chat_equals_generate(pipeline, client, model, referenc
     ):
         assert time.monotonic() < deadline, "no orchestrator span in the caller's trace"
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_one_http_request_is_one_trace_under_the_gateways_server_span(pipeline, client, model):
+    """The gateway's HTTP server span joins the caller's trace and parents the pipeline's root span of
+    every choice, which names the id the client got; a refused request leaves an error span too."""
+    traced, refused_trace = os.urandom(16).hex(), os.urandom(16).hex()
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[2]}], n=2, max_tokens=4, temperature=0,
+        extra_headers={"traceparent": f"00-{traced}-{os.urandom(8).hex()}-01"},
+    )  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], n=0,
+            extra_headers={"traceparent": f"00-{refused_trace}-{os.urandom(8).hex()}-01"},
+        )  # fmt: skip
+    route = "POST /v1/chat/completions"
+
+    def spans_of(trace_id: str) -> list:
+        return [
+            s
+            for s in read_spans(trace_files(Path(pipeline.config.telemetry.dir)))[0]
+            if s.trace_id == trace_id
+        ]
+
+    deadline = time.monotonic() + 20
+    while len([s for s in spans_of(traced) if s.name in (route, f"chat {model}")]) < 3 or not spans_of(
+        refused_trace
+    ):
+        assert time.monotonic() < deadline, "the spans did not reach the trace files"
+        time.sleep(0.2)
+    (http,) = [s for s in spans_of(traced) if s.name == route and s.service.endswith("gateway")]
+    assert http.attributes["http.response.status_code"] == 200 and http.status != "ERROR"
+    assert http.attributes["gen_ai.response.id"] == response.id
+    roots = [
+        s for s in spans_of(traced) if s.parent_id == http.span_id and s.service.endswith("orchestrator")
+    ]
+    assert sorted(r.attributes["speclanes.request_id"] for r in roots) == [
+        f"{response.id.removeprefix('chatcmpl-')}-{i}" for i in range(2)
+    ]
+    assert all(r.attributes["gen_ai.response.id"] == response.id for r in roots)
+    (failed,) = spans_of(refused_trace)
+    assert (failed.name, failed.status, failed.attributes["http.response.status_code"]) == (
+        route,
+        "ERROR",
+        400,
+    )
+    assert failed.attributes["error.type"] == (bad.value.code or bad.value.type)
 
 
 @pytest.mark.slow
@@ -781,7 +831,10 @@ def test_response_ids_name_the_request_in_audit_and_trace(pipeline, client, mode
         except AssertionError:
             assert time.monotonic() < deadline, "no trace for the response id"
             time.sleep(0.2)
-    assert any(s["attributes"].get("gen_ai.response.id") == shown["request_id"] for s in spans)
+    # The id the client received, on the gateway's HTTP span and the pipeline's root span (GenAI conventions).
+    named = [s for s in spans if s["attributes"].get("gen_ai.response.id") == response.id]
+    roots = [s for s in named if s["attributes"].get("speclanes.request_id") == shown["request_id"]]
+    assert len(named) == 2 and len(roots) == 1
 
 
 @pytest.mark.slow
@@ -907,7 +960,7 @@ def test_a_client_that_leaves_an_n_stream_cancels_every_choice(pipeline, client,
 
 
 @pytest.mark.slow
-def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, capsys):
+def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, served_model, capsys):
     """Scraped after every request of this module has finished and been recorded (cancelled ones too)."""
     for drafter in ("ngram", "none"):
         client.completions.create(
@@ -935,6 +988,13 @@ def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, 
 
     drafted, accepted = total("speclanes_tokens_drafted_total"), total("speclanes_tokens_accepted_total")
     assert accepted > 0
+    genai = {"gen_ai_provider_name": "speclanes"}  # the GenAI conventions' labels, with the operation
+    for name in (
+        "gen_ai_server_request_duration_seconds_count",
+        "gen_ai_server_time_to_first_token_seconds_count",
+    ):
+        assert all(s.labels["gen_ai_operation_name"] in ("chat", "text_completion") for s in found[name])
+        assert total(name) == total(name, **genai) > 0
     assert (drafted, accepted) == (status["totals"]["drafted"], status["totals"]["accepted"])
     assert (drafted, accepted) == (audit["drafted"], audit["accepted"])
     finished = total("gen_ai_server_request_duration_seconds_count")
@@ -945,9 +1005,25 @@ def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, 
     assert cancelled == audit["finish_reasons"].get("cancelled", 0)
     assert total("speclanes_tokens_usage_total", gen_ai_token_type="output") == audit["output_tokens"]
     kinds = collections.Counter(f["kind"] for f in status["faults"])
-    assert {
-        s.labels["speclanes_fault_kind"]: s.value for s in found.get("speclanes_faults_total", [])
-    } == kinds
+    faults = collections.Counter()
+    for s in found["speclanes_faults_total"]:  # every kind on every lane, at 0 until it happens
+        faults[s.labels["speclanes_fault_kind"]] += s.value
+    assert faults == kinds and len(faults) == len(get_args(FaultKind))
+    assert len(found["speclanes_faults_total"]) == len(faults) * len(FAULT_LANES)
+    # How requests ended: whatever is not an error is a run in `status`, and finished in the audit trail.
+    ended = {outcome: total("speclanes_requests_total", speclanes_outcome=outcome) for outcome in OUTCOMES}
+    assert ended["finished"] + ended["aborted"] == status["totals"]["runs"] == audit["finished_requests"]
+    reasons = audit["finish_reasons"]
+    assert ended["aborted"] == sum(reasons.get(reason, 0) for reason in OUTCOMES["aborted"])
+    errors = total("gen_ai_server_request_duration_seconds_count", gen_ai_response_finish_reasons="error")
+    assert ended["error"] == errors
+    per_token = total("gen_ai_server_time_per_output_token_seconds_count")  # requests of over one token
+    assert 0 < per_token == total("gen_ai_server_time_per_output_token_seconds_count", **genai) <= finished
+    prefilled = total("speclanes_request_prefill_time_seconds_count")
+    assert total("speclanes_request_queue_time_seconds_count") >= prefilled > 0
+    assert total("speclanes_kv_cache_tokens") == total("speclanes_kv_cache_usage") == 0  # nothing decoding
+    capacity = served_model.cfg.context_length * pipeline.config.admission.max_running
+    assert total("speclanes_kv_cache_capacity") == capacity
     restarts = {s.labels["speclanes_lane"]: s.value for s in found["speclanes_lane_restarts_total"]}
     assert restarts == {lane["name"]: lane["restarts"] for lane in status["lanes"]}
     up = {s.labels["speclanes_lane"]: s.value for s in found["speclanes_lane_up"]}

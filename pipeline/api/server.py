@@ -40,10 +40,13 @@ from pipeline.api.errors import ApiError, pipeline_error
 from pipeline.api.fanout import ChoicesStream, Fanout, open_choices
 from pipeline.api.generation import Generation, collect, streamed
 from pipeline.api.health import Health, judge, unreachable
+from pipeline.api.http_spans import HttpServerSpans, answered_with, refused, span_carrier, span_of
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.web import page_routes
 from pipeline.model.default import default_model_path
 from pipeline.model.errors import ModelFileError
+from pipeline.observability.request_ids import RESPONSE_PREFIXES
+from pipeline.observability.telemetry import RESPONSE_PREFIX, Telemetry, with_baggage
 from pipeline.protocol.client import AsyncClient, PipelineError
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import SpeculativeState, Submit, Submitted
@@ -60,8 +63,11 @@ Prepare = Callable[[bytes, str, int], Prepared]
 
 
 class Gateway:
-    def __init__(self, config: Config, totals: SpeculativeState | None = None) -> None:
+    def __init__(
+        self, config: Config, totals: SpeculativeState | None = None, telemetry: Telemetry | None = None
+    ) -> None:
         self.config, self.totals = config, totals  # the gateway lane's heartbeat totals, if any
+        self.telemetry = telemetry  # its HTTP server spans (api/http_spans.py), if any
         self.model = config.model_id()  # gateway.model, else the GGUF's file name without .gguf
         self.client = AsyncClient(
             config.addresses.client,
@@ -181,22 +187,25 @@ class Gateway:
         )  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
-        return await self.generate(request, completions.prepare)
+        return await self.generate(request, completions.prepare, "text")
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self.generate(request, chat.prepare)
+        return await self.generate(request, chat.prepare, "chat")
 
     async def create_response(self, request: Request) -> Response:
-        return await self.generate(request, responses.prepare)
+        return await self.generate(request, responses.prepare, "responses")
 
-    async def generate(self, request: Request, prepare: Prepare) -> Response:
+    async def generate(self, request: Request, prepare: Prepare, surface: str) -> Response:
         """Any surface's request: checked and made a Submit by its module (api/chat.py, ...), run in
         the pipeline, answered by its formatter as a stream or one response (api/generation.py)."""
         body = await read_body(request, self.config.gateway.max_body_bytes)
         prepared = prepare(body, self.model, self.config.gateway.default_max_tokens)
         n = choice_count(prepared.n, self.config.gateway.max_choices)
-        # A caller's W3C trace context (traceparent, tracestate): the pipeline's trace joins it.
+        # Under the HTTP span (api/http_spans.py), else the caller's W3C trace context: the pipeline's
+        # trace joins it. Its baggage names the response id's prefix, for the root span's gen_ai.response.id.
         trace = {name: value for name in TRACE_HEADERS if (value := request.headers.get(name))}
+        prefix = RESPONSE_PREFIXES[surface]
+        trace = with_baggage(span_carrier(request.scope, trace), RESPONSE_PREFIX, prefix)
         # Owned by this process: if it dies, the orchestrator cancels what it was streaming.
         submit = msgspec.structs.replace(prepared.submit, trace=trace, owner=f"gateway:{os.getpid()}")
         await self.require_ready()
@@ -205,6 +214,7 @@ class Gateway:
         submitted = await self.submit(prepared, submit)
         generation = Generation(self, submitted.request_id)
         fmt = prepared.formatter(submitted.request_id, int(time.time()), submitted.prompt_tokens)
+        answered_with(request.scope, prefix + submitted.request_id)
         if prepared.stream:
             return streamed(generation, fmt, prepared.include_usage)
         return JSONResponse(await collect(request, generation, fmt))
@@ -230,6 +240,7 @@ class Gateway:
 
         opened = await open_choices(choice_submits(submit, n, base), start)
         fmt = prepared.formatter(base, int(time.time()), opened[0][1])
+        answered_with(request.scope, fmt.id)
         fanout = Fanout([generation for generation, _ in opened], fmt)
         if prepared.stream:
             return ChoicesStream(fanout, prepared.include_usage)
@@ -253,25 +264,33 @@ class Gateway:
         ]
         handlers: dict[Any, Any] = {ApiError: api_error, HTTPException: http_error, Exception: internal_error}
         keys = load_keys(self.config.gateway.api_key_file, os.environ)
-        return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware(self.config, keys))
+        stack = middleware(self.config, keys, self.telemetry)
+        return Starlette(routes=routes, exception_handlers=handlers, middleware=stack)
 
 
-def middleware(config: Config, keys: tuple[bytes, ...]) -> list[Middleware]:
+def middleware(
+    config: Config, keys: tuple[bytes, ...], telemetry: Telemetry | None = None
+) -> list[Middleware]:
     """CORS outside the key check: a browser's preflight (OPTIONS, which carries no key) is answered
     for an allowed origin, and every answer to one, a 401 included, carries its allow header; the
-    request itself still needs the key. No origins configured: no CORS."""
-    keyed = Middleware(RequireKey, keys=keys)
+    request itself still needs the key. No origins configured: no CORS. The HTTP spans between them:
+    a refused key is a refused request."""
+    keyed = [Middleware(RequireKey, keys=keys)]
+    if telemetry is not None:
+        keyed.insert(0, Middleware(HttpServerSpans, telemetry=telemetry))
     if not (origins := config.gateway.cors_origins):
-        return [keyed]
+        return keyed
     cors = Middleware(
         CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
         expose_headers=["Retry-After"],
     )  # fmt: skip
-    return [cors, keyed]
+    return [cors, *keyed]
 
 
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    if (span := span_of(request.scope)) is not None:  # the code the client reads, as the span's error.type
+        refused(span, exc.code or exc.type, exc.message)
     return JSONResponse(exc.body(), exc.status, exc.headers)
 
 
@@ -285,6 +304,8 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     log.exception("request failed", exc_info=exc)
+    if (span := span_of(request.scope)) is not None:
+        refused(span, type(exc).__qualname__, repr(exc))
     error = ApiError(500, f"internal error: {exc!r}", type="server_error", code="internal")
     return JSONResponse(error.body(), 500)
 

@@ -31,8 +31,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
@@ -49,6 +50,10 @@ log = logging.getLogger(__name__)
 
 SCOPE = "speclanes"
 PROPAGATOR = TraceContextTextMapPropagator()
+BAGGAGE = W3CBaggagePropagator()
+# Baggage the gateway adds to a Submit's trace context: the prefix its response id puts before the
+# request id (`chatcmpl-`), so the pipeline's root span names the id the client received.
+RESPONSE_PREFIX = "speclanes.response_prefix"
 DEFAULT_QUEUE = 65536  # spans held for the batch thread before it would drop one
 DEFAULT_METRIC_INTERVAL_MS = 10_000  # the SDK's default (60 s) outlives most runs
 
@@ -285,6 +290,18 @@ def carrier(span: Span) -> dict[str, str]:
     out: dict[str, str] = {}
     PROPAGATOR.inject(out, context=trace.set_span_in_context(span))
     return out
+
+
+def with_baggage(trace_context: Mapping[str, str], key: str, value: str) -> dict[str, str]:
+    """A W3C carrier with one W3C baggage entry added (the `baggage` header's format)."""
+    out = dict(trace_context)
+    BAGGAGE.inject(out, context=baggage.set_baggage(key, value))
+    return out
+
+
+def baggage_of(trace_context: Mapping[str, str], key: str) -> str | None:
+    value = baggage.get_baggage(key, BAGGAGE.extract(trace_context))
+    return None if value is None else str(value)
 
 
 def fail(span: Span, error: BaseException | str) -> None:

@@ -145,10 +145,12 @@ def find_trace(spans: list[SpanRecord], name: str) -> list[SpanRecord]:
 
 
 def summary_rows(spans: list[SpanRecord]) -> list[dict[str, Any]]:
-    """One row per request trace (those with a request root), oldest first."""
+    """One row per request trace (those with a request root), oldest first. The request's root is the
+    orchestrator's GenAI span, under the gateway's HTTP span or a caller's when there is one (the first
+    choice's, for `n` > 1)."""
     rows = []
     for trace_id, trace in traces(spans).items():
-        root = next((s for s in trace if not s.parent_id and "gen_ai.operation.name" in s.attributes), None)
+        root = next((s for s in trace if "gen_ai.operation.name" in s.attributes), None)
         if root is None:
             continue
         rows.append(

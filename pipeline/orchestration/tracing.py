@@ -17,7 +17,8 @@ from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import MAX_TOKENS_LIMIT
 from pipeline.decoding.speculation import Speculation
 from pipeline.observability.metrics import LaneGauge, PipelineGauges, PipelineMetrics
-from pipeline.observability.telemetry import Telemetry, carrier, fail
+from pipeline.observability.request_ids import CHOICE_ID
+from pipeline.observability.telemetry import RESPONSE_PREFIX, Telemetry, baggage_of, carrier, fail
 from pipeline.orchestration.lane_table import LANES
 from pipeline.protocol.messages import FaultKind, LaneDown, StatusReport, Submit
 
@@ -30,6 +31,14 @@ OUTCOMES = {
 }
 FAULT_LANES = (*LANES, "gateway")  # the processes a fault can name
 RESUMED_OPERATION = "generate_content"  # a resumed request's Submit (chat or not) is not journaled
+
+
+def response_id(request_id: str, msg: Submit) -> str:
+    """The id its client receives: the gateway's (`chatcmpl-<base>` for every choice `<base>-<i>` of
+    a request with n > 1, the prefix from the gateway's baggage), else the request id itself."""
+    if (prefix := baggage_of(msg.trace, RESPONSE_PREFIX)) is None:
+        return request_id
+    return prefix + (request_id.rpartition("-")[0] if CHOICE_ID.fullmatch(request_id) else request_id)
 
 
 def outcome(result: Result) -> str:
@@ -67,7 +76,7 @@ class RequestTracing:
             "gen_ai.request.model": self.model_id,
             "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
             "gen_ai.request.top_k": params.top_k, "gen_ai.request.seed": seed,
-            "gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.response.id": request_id,
+            "gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.response.id": response_id(request_id, msg),
             "speclanes.request_id": request_id, "speclanes.drafter": speculation.drafter,
             "speclanes.k": "auto" if speculation.fixed_k is None else str(speculation.fixed_k),
         }  # fmt: skip
