@@ -318,6 +318,8 @@ def test_the_dashboard_names_only_series_and_labels_the_exposition_has(scenario)
         "speclanes_position_accepted_total", "gen_ai_server_time_to_first_token_seconds_bucket",
         "speclanes_tokens_usage_total", "speclanes_requests_queued", "speclanes_requests_active",
         "speclanes_faults_total", "speclanes_lane_restarts_total", "speclanes_step_duration_seconds_bucket",
+        "speclanes_kv_cache_usage", "speclanes_requests_total", "speclanes_request_queue_time_seconds_bucket",
+        "speclanes_request_prefill_time_seconds_bucket", "gen_ai_server_time_per_output_token_seconds_bucket",
     ):  # fmt: skip
         assert wanted in series, wanted
 
