@@ -20,8 +20,9 @@ IDS = ["3f2a9c0d" + "1" * 24, "3f2a9c0d" + "2" * 24, "77aa" + "0" * 28]
 
 def test_request_keys_drop_the_response_prefixes():
     assert request_key("chatcmpl-3f2a") == "3f2a" and request_key("cmpl-3f2a") == "3f2a"
+    assert request_key("resp_3f2a") == "3f2a"
     assert request_key(" 3f2a\n") == "3f2a" and request_key("chat-3f2a") == "chat-3f2a"
-    assert set(RESPONSE_PREFIXES.values()) == {"chatcmpl-", "cmpl-"}
+    assert set(RESPONSE_PREFIXES.values()) == {"chatcmpl-", "cmpl-", "resp_"}
 
 
 def test_resolve_takes_an_id_a_response_id_or_a_unique_prefix():
