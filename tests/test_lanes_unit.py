@@ -472,15 +472,20 @@ def test_each_request_in_a_batch_gets_a_verify_span_in_its_own_trace(model):
             for n, c in clients.items()
         ]
     )
+    assert lane.telemetry.spans("verify") == []  # open: a span covers a run of steps
+    for name in clients:
+        verifier.forget(name)  # the request leaves the lane: its span ends
     spans = {s.attributes["speclanes.request_id"]: s for s in lane.telemetry.spans("verify")}
     assert set(spans) == set(roots)
     for name, span in spans.items():
         root = roots[name].get_span_context()
         assert span.parent is not None and span.parent.span_id == root.span_id
         assert span.context.trace_id == root.trace_id
-        assert span.attributes["speclanes.batch_size"] == 2
-        assert span.attributes["speclanes.batch_rows"] == 4
-        assert span.attributes["speclanes.k"] == len(drafts[name])
+        (step,) = span.events  # one event per step
+        assert step.attributes["speclanes.batch_size"] == 2
+        assert step.attributes["speclanes.batch_rows"] == 4
+        assert step.attributes["speclanes.k"] == len(drafts[name])
+        assert span.attributes["speclanes.steps"] == 1 and span.attributes["speclanes.first_step"] == 1
     prefills = lane.telemetry.spans("prefill")
     assert {s.context.trace_id for s in prefills} == {r.get_span_context().trace_id for r in roots.values()}
 

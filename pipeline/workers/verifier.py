@@ -40,6 +40,7 @@ from pipeline.protocol.messages import BadMessage, Close, Open, Opened, Rows, St
 from pipeline.workers.grammar import opened_target
 from pipeline.workers.prefix_reuse import Holder, PrefixReuse
 from pipeline.workers.reporting import LaneReporter, step_failed
+from pipeline.workers.step_spans import StepSpans
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,13 @@ class Verifier:
         self.requests: dict[str, Request] = {}
         self.prefilling: dict[str, Prefill] = {}  # oldest first: chunks are fed in arrival order
         self.reuse = PrefixReuse(enabled=getattr(model, "row_invariant", False))
+        self.spans = StepSpans(lane.telemetry)  # per-step telemetry, a span per run of steps
+
+    def forget(self, request_id: str) -> None:
+        """The request leaves this lane (closed, re-opened, lost, idle): its state and its open span."""
+        self.requests.pop(request_id, None)
+        self.prefilling.pop(request_id, None)
+        self.spans.end(request_id)
 
     def check_tokens(self, tokens: list[int]) -> str | None:
         vocab = self.model.cfg.vocab_size
@@ -137,7 +145,7 @@ class Verifier:
             )
         if (problem := self.check_tokens(msg.tokens) or self.check_controls(msg)) is not None:
             return step_failed(self.lane, msg, "bad_request", problem)
-        self.requests.pop(msg.request_id, None)
+        self.forget(msg.request_id)
         capacity = max(min(msg.capacity, context), len(msg.tokens) + 1)
         target = opened_target(self.model, msg, capacity)
         if isinstance(target, str):
@@ -239,9 +247,9 @@ class Verifier:
             all_logits, found = self.model.forward_features(work, features=want)
         except Exception as exc:
             for msg, _ in batch:  # their caches may be half-written: a re-prime rebuilds them
-                self.requests.pop(msg.request_id, None)
+                self.forget(msg.request_id)
             for job, _ in chunks:
-                self.prefilling.pop(job.msg.request_id, None)
+                self.forget(job.msg.request_id)
             failed = [msg for msg, _ in batch] + [job.msg for job, _ in chunks]
             return [
                 step_failed(self.lane, msg, "verification_failed", f"forward failed: {exc!r}")
@@ -277,29 +285,13 @@ class Verifier:
                 logprobs=target.logprobs, verified=request.verified, **features_of(target),
             )  # fmt: skip
             replies.append(request.reply)
-            self.trace_step(msg, request.reply, start_ns, rows)
+            self.spans.step(msg, request.reply, start_ns, rows)
             state = self.lane.state
             state.drafted += len(draft.tokens)
             state.accepted += verdict.accepted
         self.lane.state.batches += 1
         self.lane.state.batched_rows += rows
         return replies
-
-    def trace_step(self, msg: Verify, reply: Verified, start_ns: int, rows: int) -> None:
-        """One span per request even when its step shared a batched forward with others."""
-        k, accepted = len(msg.drafts), reply.accepted
-        span = self.lane.telemetry.start(
-            "verify",
-            msg.trace,
-            {
-                "speclanes.request_id": msg.request_id, "speclanes.step": msg.step, "speclanes.k": k,
-                "speclanes.accepted": accepted, "speclanes.acceptance": accepted / k if k else 0.0,
-                "speclanes.batch_size": reply.batch_size, "speclanes.batch_rows": rows,
-                "speclanes.emitted": len(reply.tokens),
-            },
-            start_time=start_ns,
-        )  # fmt: skip
-        span.end()
 
     def handle(
         self, messages: list[Open | Verify | Close | BadMessage]
@@ -311,8 +303,7 @@ class Verifier:
             if isinstance(msg, BadMessage):
                 self.lane.fault("bad_request", str(msg))
             elif isinstance(msg, Close):
-                self.requests.pop(msg.request_id, None)
-                self.prefilling.pop(msg.request_id, None)
+                self.forget(msg.request_id)
             elif isinstance(msg, Open):
                 if (reply := self.open(msg)) is not None:
                     replies.append(reply)
@@ -334,7 +325,7 @@ class Verifier:
     def expire(self) -> None:
         cutoff = time.monotonic() - IDLE_SECONDS
         for request_id in [r for r, req in self.requests.items() if req.seen < cutoff]:
-            del self.requests[request_id]
+            self.forget(request_id)
 
     def busy(self) -> bool:
         """Prompts are still being fed: the lane must run another forward without waiting for mail."""

@@ -134,8 +134,7 @@ class VerifyCore:
         """Their state here may be half-written: forget it, and have the orchestrator re-prime them."""
         out: list[Out] = []
         for msg in messages:
-            self.verifier.requests.pop(msg.request_id, None)
-            self.verifier.prefilling.pop(msg.request_id, None)
+            self.verifier.forget(msg.request_id)
             if self.drivers.pop(msg.request_id, None) is not None:
                 failed = StepFailed(
                     request_id=msg.request_id, step=msg.step, origin="verify", kind="unknown_request",
