@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -324,6 +325,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pipeline.decoding.drafters.registry import make_draft_source
     from pipeline.decoding.speculative import decode
     from pipeline.model import default_model_path
+    from pipeline.model.calibration import stored_row_seconds
     from pipeline.model.draft_head import head_for
     from pipeline.model.prompts import load_messages, prompt_tokens
 
@@ -338,6 +340,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source = make_draft_source(speculation.drafter, model, draft_model, head)
     assert model.tokenizer is not None
     prompt = prompt_tokens(model.tokenizer, args.prompt, chat=args.chat, messages=messages)
+    if speculation.fixed_k is None:  # the controller's t(rows): the one a lane or an earlier run kept
+        with contextlib.suppress(OSError):  # measured but not kept (a full disk): the next run measures
+            stored_row_seconds(model, args.model or default_model_path())
 
     def show(text: str) -> None:
         sys.stdout.write(text)

@@ -1,0 +1,6 @@
+"""The test suite. This runs before any test module or conftest imports `pipeline` (which sets its
+OpenBLAS default), so it sees whether the user set OpenBLAS's threads (conftest.pytest_configure)."""
+
+import os
+
+USER_OPENBLAS_THREADS = os.environ.get("OPENBLAS_NUM_THREADS")

@@ -1,7 +1,16 @@
-"""Shared fixtures: a private weight cache, tiny GGUF models, and the real default model."""
+"""Shared fixtures: a private weight cache, tiny GGUF models, and the real default model.
+
+Under pytest-xdist the workers share one run's weight cache, and what is costly to make in it (the
+default model's float32 reference, its native form, each runtime's t(rows) curve) is made by the
+first worker that asks while the other waits on a lock (`made_once`), then read back in
+milliseconds: the store's forms are keyed by content and published atomically, so sharing them is
+what two lanes on one machine do anyway.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,17 +20,52 @@ import pytest
 
 import pipeline  # noqa: F401  (sets the OpenBLAS environment before numpy loads)
 
+from . import USER_OPENBLAS_THREADS
 from .pipeline_harness import Pipeline, running_pipeline
 from .tinymodel import TinySpec, write_tiny_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One OpenBLAS thread per pytest-xdist worker when the workers fill the cores, set here in the
+    controller before it starts them (they inherit its environment, and load numpy later).
+
+    OpenBLAS threads spin while they wait for each other: with two workers' numpy oracles at two
+    threads each on the 2-core VM, a 24-token greedy decode took 22 s, and 2 s at one thread each
+    (the same bits: OpenBLAS splits a product's outputs between its threads, never a sum). A
+    user's own setting wins; the lanes that tests start inherit it too."""
+    workers = config.getoption("numprocesses", None)
+    if isinstance(workers, int) and workers > 1 and USER_OPENBLAS_THREADS is None:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+
+
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's temp root, the one all xdist workers share (their own roots are inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[None]:
+    """Hold this run's lock `name` (across xdist workers): whoever makes a shared artifact under it
+    makes it alone, and whoever comes next finds it made."""
+    with (run_root(tmp_path_factory) / f"{name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def weight_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tests prepare weights into their own cache unless SPECLANES_CACHE says otherwise."""
+    """Tests prepare weights into this run's own cache, shared by its xdist workers, unless
+    SPECLANES_CACHE says otherwise."""
     if not os.environ.get("SPECLANES_CACHE"):
-        os.environ["SPECLANES_CACHE"] = str(tmp_path_factory.mktemp("speclanes-cache"))
+        cache = run_root(tmp_path_factory) / "speclanes-cache"
+        cache.mkdir(mode=0o700, exist_ok=True)
+        os.environ["SPECLANES_CACHE"] = str(cache)
     return Path(os.environ["SPECLANES_CACHE"])
 
 
@@ -38,19 +82,29 @@ def tiny_model_file(tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """The default model on the numpy float32 reference backend (the oracle)."""
+def smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """The default model on the numpy float32 reference backend (the oracle), with its t(rows) curve
+    measured (for `decode`'s controller) once per run."""
     from pipeline.model import Model, default_model_path
+    from pipeline.model.calibration import stored_row_seconds
 
-    return Model.load(default_model_path())
+    with made_once(tmp_path_factory, "smollm2-numpy"):
+        model = Model.load(default_model_path())
+        stored_row_seconds(model, default_model_path())
+    return model
 
 
 @pytest.fixture(scope="session")
-def served_model():
-    """The default model on the backend a pipeline serves it with by default (`model.backend=auto`)."""
+def served_model(tmp_path_factory: pytest.TempPathFactory):
+    """The default model on the backend a pipeline serves it with by default (`model.backend=auto`),
+    with its t(rows) curve measured once per run (the verify lanes of tests' pipelines read it too)."""
     from pipeline.model import default_model_path, load_model
+    from pipeline.model.calibration import stored_row_seconds
 
-    return load_model(default_model_path())
+    with made_once(tmp_path_factory, "smollm2-served"):
+        model = load_model(default_model_path())
+        stored_row_seconds(model, default_model_path())
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +127,10 @@ def portable_kernels(tmp_path_factory: pytest.TempPathFactory):
 
     if platform.machine() != "x86_64" or backend_problem("native"):
         pytest.skip("the portable build is tested on x86-64 with a C compiler")
-    target = tmp_path_factory.mktemp("portable") / "portable.so"
-    native._build(target, (*(f for f in native.FLAGS if f != "-march=native"), "-march=x86-64-v2"))
+    target = run_root(tmp_path_factory) / "portable" / "portable.so"
+    with made_once(tmp_path_factory, "portable-kernels"):  # built once a run, for every xdist worker
+        if not target.exists():  # `_build` publishes it whole (os.replace)
+            native._build(target, (*(f for f in native.FLAGS if f != "-march=native"), "-march=x86-64-v2"))
     lib = native.load_library(target)
     assert lib.has_vnni() == 0
     return lib

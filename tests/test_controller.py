@@ -130,7 +130,9 @@ def test_the_lane_keeps_its_calibration_per_model_runtime_and_cpu(tmp_path, monk
     assert len(first) == max(calibration.ROWS) and first[0] > 0
     assert all(b >= a for a, b in itertools.pairwise(first) if a and b)  # never cheaper with more rows
     monkeypatch.setattr(calibration, "measure", lambda *_: pytest.fail("measured again"))
-    assert calibration.stored_row_seconds(load_model(path, "native"), path) == first
+    again = load_model(path, "native")
+    assert calibration.stored_row_seconds(again, path) == first
+    assert calibration.row_seconds(again) == first  # the curve read back is that model's curve
     (entry,) = form_directory(path, "calibration").glob("*.json")
     entry.write_text("garbage")
     monkeypatch.undo()

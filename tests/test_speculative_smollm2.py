@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from pipeline.bench.common import WORKLOADS
 from pipeline.decoding.drafters import NoDraftSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
-from pipeline.decoding.speculative import decode
+from pipeline.decoding.speculative import Result, decode
 
 from .conftest import FIXTURES
 
@@ -39,13 +40,20 @@ def target(request, smollm2, served_model):
     return smollm2 if request.param == "numpy" else served_model
 
 
-@pytest.mark.parametrize("workload", sorted(WORKLOADS))
-@pytest.mark.parametrize(("drafter", "k"), [("ngram", None), ("suffix", 3), ("auto", None), ("model", 4)])
-def test_workloads_match_plain_decoding(target, workload, drafter, k):
+@functools.cache
+def plain_decoding(target, workload: str) -> tuple[list[int], SamplingParams, Result]:
+    """A workload's prompt, settings and plain greedy decoding on `target`: made once (per xdist
+    worker) and compared with each drafter's run, as plain decoding is deterministic."""
     prompt = chat_prompt(target, WORKLOADS[workload])
     # The numpy reference takes about 0.2 s a token on these VMs: 16 tokens there, 32 on the served backend.
     params = SamplingParams(max_tokens=32 if target.row_invariant else 16)
-    plain = decode(target, prompt, params, NoDraftSource(), k=0)
+    return prompt, params, decode(target, prompt, params, NoDraftSource(), k=0)
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize(("drafter", "k"), [("ngram", None), ("suffix", 3), ("auto", None), ("model", 4)])
+def test_workloads_match_plain_decoding(target, workload, drafter, k):
+    prompt, params, plain = plain_decoding(target, workload)
     source = make_draft_source(drafter, target, target if drafter == "model" else None)
     out = decode(target, prompt, params, source, k=k)
     assert out.tokens == plain.tokens and out.text == plain.text
