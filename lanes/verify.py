@@ -88,7 +88,7 @@ class VerifyLane:
             await self.send(core.tick(trio.current_time()))
             if core.has_work():
                 await self.send(core.forward(trio.current_time()))
-            core.verifier.expire()
+            core.expire()
             self.lane.state.active_requests = len(core.drivers)
 
 

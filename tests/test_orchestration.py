@@ -38,6 +38,7 @@ from pipeline.protocol.messages import (
     Submit,
 )
 from pipeline.workers.driver import DraftLane
+from pipeline.workers.verifier import IDLE_SECONDS
 
 from .orchestration_harness import World
 from .tinymodel import TinySpec, write_tiny_gguf
@@ -234,6 +235,17 @@ def test_the_verify_lane_runs_at_most_run_ahead_steps_past_the_journal(world, mo
     assert result.tokens == decode(
         model, prompt_tokens(model.tokenizer, PROMPT, chat=False, messages=None), params, NoDraftSource(), k=0
     ).tokens
+
+
+def test_a_request_nobody_hears_of_leaves_the_verify_lane_driver_and_all(world, model):
+    request_id = world.submit(PROMPT, params=SamplingParams(max_tokens=40, ignore_eos=True))
+    world.run(until=3)
+    world.orchestrator_dead = True  # its driver holds at run_ahead, and nobody closes it
+    world.run()
+    assert world.core.drivers[request_id].held
+    world.core.verifier.requests[request_id].seen -= IDLE_SECONDS + 1
+    world.core.expire()
+    assert request_id not in world.core.drivers and request_id not in world.core.verifier.requests
 
 
 def test_a_lost_decided_step_is_a_gap_the_orchestrator_reprimes_over(world, model):

@@ -121,6 +121,11 @@ class Driver:
     def waiting_for_draft(self) -> bool:
         return isinstance(self.pending, DraftRequest)
 
+    @property
+    def waiting_for_open(self) -> bool:
+        """Its Open is queued for the verifier, which does not know the request yet."""
+        return isinstance(self.pending, Open)
+
     # --- inputs ------------------------------------------------------------------------
 
     def begin(self, now: float) -> list[Out]:

@@ -143,6 +143,14 @@ class VerifyCore:
                 out.append(Out("data", failed))
         return out
 
+    def expire(self) -> None:
+        """Requests not heard of for `verifier.IDLE_SECONDS` (their orchestrator is gone, their Close
+        was lost) leave the lane, drivers included."""
+        self.verifier.expire()
+        for request_id in [r for r in self.drivers if r not in self.verifier.requests]:
+            if request_id not in self.verifier.prefilling and not self.drivers[request_id].waiting_for_open:
+                del self.drivers[request_id]
+
     # --- plumbing ----------------------------------------------------------------------
 
     def route(self, out: list[Out]) -> list[Out]:
