@@ -24,6 +24,7 @@ import msgspec
 import trio
 from opentelemetry.sdk.metrics.export import MetricReader
 
+from pipeline.observability.process_stats import ProcessStats
 from pipeline.observability.telemetry import Telemetry
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import Fault, FaultKind, Heartbeat, SpeculativeState
@@ -71,7 +72,9 @@ class LaneContext:
     def heartbeat(self) -> None:
         if self.data is not None and not self.data.connected():
             return  # not reachable from here yet: not up
-        beat = Heartbeat(lane=self.name, pid=self.pid, state=self.state, runtime=self.runtime)
+        # Its own CPU and memory: the orchestrator exports them but may not see this host's /proc.
+        stats = ProcessStats.measure()
+        beat = Heartbeat(lane=self.name, pid=self.pid, state=self.state, runtime=self.runtime, process=stats)
         self.control.put_nowait(beat)
 
     async def beat(self) -> None:

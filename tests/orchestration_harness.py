@@ -17,6 +17,7 @@ from pipeline.decoding.result import Result
 from pipeline.model import Runtime
 from pipeline.model.draft_head import DraftHead
 from pipeline.observability.metrics import PipelineMetrics
+from pipeline.observability.process_stats import ProcessStats
 from pipeline.orchestration.effects import Send
 from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import Journal
@@ -66,6 +67,7 @@ class FakeLane:
         self.faults.append((kind, message, request_id, step))
 
 
+PROCESS = ProcessStats.measure()  # every lane's heartbeat carries figures, as a real one's does
 CODECS = {"verify": Codec(VerifyInbox), "draft": Codec(DraftInbox), "audit": Codec(AuditInbox)}
 REPLIES: Codec = Codec(DataInbox)
 
@@ -136,7 +138,7 @@ class World:
     def up(self, *lanes: str) -> None:
         for lane in lanes or ("verify", "draft", "audit", "orchestrator"):
             self.beating.add(lane)
-            beat = Heartbeat(lane=lane, pid=self.pids[lane], state=SpeculativeState())
+            beat = Heartbeat(lane=lane, pid=self.pids[lane], state=SpeculativeState(), process=PROCESS)
             self.feed(self.hub.on_control(beat, self.now))
 
     def down(self, lane: str) -> None:
@@ -218,7 +220,7 @@ class World:
         """Time passes; every lane that is running and not frozen beats on the way."""
         self.now += seconds
         for lane in self.beating:
-            beat = Heartbeat(lane=lane, pid=self.pids[lane], state=SpeculativeState())
+            beat = Heartbeat(lane=lane, pid=self.pids[lane], state=SpeculativeState(), process=PROCESS)
             self.feed(self.hub.on_control(beat, self.now))
         self.feed(self.hub.tick(self.now))
         self.verify_lane_runs(self.core.tick(self.now))

@@ -1028,6 +1028,10 @@ def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, 
     assert restarts == {lane["name"]: lane["restarts"] for lane in status["lanes"]}
     up = {s.labels["speclanes_lane"]: s.value for s in found["speclanes_lane_up"]}
     assert up == {lane["name"]: 1.0 for lane in status["lanes"]}  # gateway included
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_start_time_seconds"):
+        measured = {(s.labels["speclanes_lane"], s.labels["process_pid"]): s.value for s in found[name]}
+        assert measured.keys() == {(lane["name"], str(lane["pid"])) for lane in status["lanes"]}, name
+        assert all(value > 0 for value in measured.values()), name  # each process's own, by heartbeat
     assert total("speclanes_requests_active") == total("speclanes_requests_queued") == 0
     assert total("speclanes_step_duration_seconds_count", speclanes_lane="verify") > 0
     assert 0 < total("gen_ai_server_time_to_first_token_seconds_count") <= finished  # some left before one

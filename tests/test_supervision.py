@@ -4,14 +4,27 @@ The processes themselves are in test_pipeline.py (crash loops, SIGSTOP)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from pipeline.api.health import Health, judge, unreachable
+from pipeline.observability.process_stats import ProcessStats
 from pipeline.orchestration.lane_table import LaneTable
 from pipeline.protocol.client import _settled
-from pipeline.protocol.messages import Heartbeat, LaneDown, LaneFailed, LaneStatus, LaneUp, SpeculativeState
+from pipeline.protocol.messages import (
+    Codec,
+    ControlInbox,
+    Heartbeat,
+    LaneDown,
+    LaneFailed,
+    LaneStatus,
+    LaneUp,
+    SpeculativeState,
+    encode,
+)
 from pipeline.service.intensity import RestartIntensity
 from pipeline.service.launch import last_error
 
@@ -91,6 +104,29 @@ def test_a_failed_gateway_is_listed_even_when_the_table_did_not_know_it():
     table = LaneTable()
     assert table.update(_failed("gateway", 50), 1.0) == "failed"
     assert table["gateway"].state == "failed"
+
+
+def test_a_heartbeat_carries_its_process_figures_and_the_table_keeps_them_while_it_lives():
+    """Decoded as sent, an older sender's heartbeat (no `process`) too; kept per lane until the
+    process is reported gone or another takes its place."""
+    stats = ProcessStats.measure()
+    assert stats.cpu_seconds > 0 and stats.resident_bytes > 0 and 0 < stats.start_time <= time.time()
+    codec = Codec(ControlInbox)
+    beat = codec.decode(encode(Heartbeat(lane="verify", pid=11, state=SpeculativeState(), process=stats)))
+    assert isinstance(beat, Heartbeat) and beat.process == stats
+    old = {"type": "Heartbeat", "version": 1, "lane": "verify", "pid": 11, "state": {}}
+    old = msgspec.msgpack.encode(old)
+    assert codec.decode(old) == Heartbeat(lane="verify", pid=11, state=SpeculativeState())
+    table = LaneTable()
+    table.update(beat, 1.0)
+    assert table["verify"].status().process == stats
+    table.update(LaneDown(lane="verify", pid=11, returncode=-9, restarts=1), 2.0)
+    assert table["verify"].status().process is None  # its figures went with it
+    table.update(beat, 2.5)  # a late heartbeat of the dead process
+    assert table["verify"].process is None
+    table.update(Heartbeat(lane="verify", pid=12, state=SpeculativeState(), process=stats), 3.0)
+    table.update(LaneUp(lane="verify", pid=13, restarts=2), 4.0)  # yet another process
+    assert table["verify"].process is None
 
 
 # --- the health verdict ----------------------------------------------------------------------

@@ -5,7 +5,8 @@ counted there once, whatever lane did the work: drafted and accepted tokens, acc
 by draft position, accepted length per step (its mean is the figure vLLM reports),
 step latency by lane as the request experiences it, time to first token, tokens/s and
 faults. What the orchestrator holds as state (requests decoding and queued, audit events
-pending, each lane's restarts and whether it is up) is read when metrics are collected
+pending, each lane's restarts and whether it is up, each process's CPU and memory as its
+heartbeat reported them: observability/process_stats.py) is read when metrics are collected
 (`observe`), so it is what `status` shows, whatever happened in between. Names follow the
 GenAI semantic conventions where one exists. The same instruments go out over OTLP and,
 through the gateway's `/metrics`, in the Prometheus format (observability/prometheus.py).
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from pipeline.observability.process_stats import ProcessStats, observe_processes
 from pipeline.observability.serving_metrics import ServingMetrics
 
 # Bucket edges in seconds for step latencies (tens of ms per forward) and request times.
@@ -30,6 +32,8 @@ MAX_POSITIONS = 32  # draft positions counted (k is at most 32): bounded label v
 class LaneGauge:
     up: bool
     restarts: int
+    pid: int | None = None
+    process: ProcessStats | None = None  # its own figures, from its last heartbeat
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class PipelineMetrics:
             "speclanes.position.accepted", [self._position(self.positions.accepted)], "{token}",
             "Draft tokens kept at each draft position; over speclanes.position.drafted, the "
             "acceptance by position")  # fmt: skip
+        observe_processes(meter, self._processes)
 
     def observe(self, read: Callable[[], PipelineGauges]) -> None:
         """Where the state-like instruments read from (the orchestrator's hub)."""
@@ -188,6 +193,13 @@ class PipelineMetrics:
             Observation(int(lane.up), {**self.base, "speclanes.lane": name})
             for name, lane in self.read().lanes.items()
         ]
+
+    def _processes(self) -> list[tuple[dict[str, str | int], ProcessStats]]:
+        """Every running process's figures, labelled by its lane and pid (`process_*` in Prometheus)."""
+        return [
+            ({**self.base, "speclanes.lane": name, "process.pid": lane.pid or 0}, lane.process)
+            for name, lane in self.read().lanes.items() if lane.process is not None
+        ]  # fmt: skip
 
     def _position(self, counts: list[int]) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:

@@ -1,4 +1,4 @@
-"""What the orchestrator knows of each lane: state, pid, restarts, totals, runtime.
+"""What the orchestrator knows of each lane: state, pid, restarts, totals, runtime, process figures.
 
 Fed by the control lane (the supervisor's LaneUp/LaneDown/LaneFailed, each lane's Heartbeat); read
 by request machines (is the verify lane up) and by `status`.
@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pipeline.observability.process_stats import ProcessStats
 from pipeline.protocol.messages import Heartbeat, LaneDown, LaneFailed, LaneStatus, LaneUp, SpeculativeState
 
 LANES = ("verify", "draft", "audit", "orchestrator")
@@ -29,12 +30,13 @@ class LaneView:
     runtime: dict[str, Any] = field(default_factory=dict)
     snapshot_at: float = -math.inf  # when its totals last went to the audit trail
     reason: str = ""  # why it failed: its own last error line
+    process: ProcessStats | None = None  # its last heartbeat's; None once the process is gone
 
     def status(self) -> LaneStatus:
         return LaneStatus(
             name=self.name, state=self.state, pid=self.pid, restarts=self.restarts,
             active_requests=self.totals.active_requests, totals=self.totals, runtime=self.runtime,
-            reason=self.reason,
+            reason=self.reason, process=self.process,
         )  # fmt: skip
 
 
@@ -60,22 +62,25 @@ class LaneTable:
         if isinstance(msg, LaneFailed):
             lane.dead_pids.add(msg.pid)
             lane.state, lane.restarts, lane.reason = "failed", msg.restarts, msg.reason
+            lane.process = None
             return "failed"
         if msg.pid in lane.dead_pids:  # news of a process already dead: a late heartbeat, a LaneUp
             return "ignored"  # re-announced before it died, its death told twice
         if isinstance(msg, LaneUp):
+            if msg.pid != lane.pid:
+                lane.process = None  # a new process: the old one's figures are not its own
             lane.pid, lane.restarts, lane.reason = msg.pid, msg.restarts, ""
             if lane.state != "up":
                 lane.state = "starting"
             return "beat"
         if isinstance(msg, LaneDown):
             lane.dead_pids.add(msg.pid)
-            lane.state, lane.restarts = "down", msg.restarts
+            lane.state, lane.restarts, lane.process = "down", msg.restarts, None
             return "went_down"
         came_up = lane.state != "up"
         lane.state, lane.pid, lane.totals, lane.last_beat = "up", msg.pid, msg.state, now
         # A new process (another host's supervisor started it) clears a failure.
-        lane.runtime, lane.reason = msg.runtime, ""
+        lane.runtime, lane.reason, lane.process = msg.runtime, "", msg.process
         return "came_up" if came_up else "beat"
 
     def stalled(self, now: float, hang_seconds: float) -> list[str]:

@@ -188,7 +188,10 @@ class RequestTracing:
 
 def gauges_of(report: StatusReport) -> PipelineGauges:
     """What the state-like metrics read at each collection: the numbers `status` shows."""
-    lanes = {lane.name: LaneGauge(up=lane.state == "up", restarts=lane.restarts) for lane in report.lanes}
+    lanes = {
+        lane.name: LaneGauge(lane.state == "up", lane.restarts, pid=lane.pid, process=lane.process)
+        for lane in report.lanes
+    }
     reused = sum(lane.totals.prompt_tokens_reused for lane in report.lanes if lane.name == "verify")
     return PipelineGauges(
         running=report.active_requests, queued=report.queued_requests,

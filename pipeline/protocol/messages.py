@@ -27,6 +27,7 @@ from pipeline.decoding.logprobs import TokenLogprobs
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation
+from pipeline.observability.process_stats import ProcessStats
 
 PROTOCOL = 1
 
@@ -361,6 +362,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     pid: int
     state: SpeculativeState
     runtime: dict[str, Any] = {}  # a model lane's backend, kernel path and CPU flags
+    process: ProcessStats | None = None  # its own CPU, memory and fds (absent from an older sender)
 
 
 class Shutdown(Message, frozen=True, kw_only=True):
@@ -449,6 +451,7 @@ class LaneStatus(msgspec.Struct, kw_only=True):
     totals: SpeculativeState
     runtime: dict[str, Any] = {}
     reason: str = ""  # a failed lane's last error line
+    process: ProcessStats | None = None  # from its last heartbeat while it runs
 
 
 class StatusReport(Message, frozen=True, kw_only=True):
