@@ -35,6 +35,7 @@ from pipeline.protocol.messages import (
     SpeculativeEvent,
     StepEvent,
     StepFailed,
+    StepRecord,
     Submit,
 )
 from pipeline.workers.driver import DraftLane
@@ -246,6 +247,26 @@ def test_a_request_nobody_hears_of_leaves_the_verify_lane_driver_and_all(world, 
     world.core.verifier.requests[request_id].seen -= IDLE_SECONDS + 1
     world.core.expire()
     assert request_id not in world.core.drivers and request_id not in world.core.verifier.requests
+
+
+def test_steps_of_a_driver_started_from_an_earlier_open_are_ignored(world, model, tmp_path):
+    """After an orchestrator restart, steps its predecessor's verify-lane driver decided may still
+    arrive (they sat in a socket). They may cut the same tokens into other steps, so only steps of the
+    driver started from the new orchestrator's Open count: here a forged one with other tokens."""
+    world = World(model, journal_path=str(tmp_path / "journal.sqlite"))
+    world.up()
+    request_id = world.submit(PROMPT, params=SEEDED, drafter="ngram", k=4)
+    world.run(until=6)
+    world.orchestrator_killed(deliver_in_flight=False)
+    machine = world.hub.front.machine(request_id)
+    stale = Decided(
+        request_id=request_id, step=machine.step + 1, epoch=machine.pending_epoch + 1,
+        record=StepRecord(machine.step + 1, 0, [1, 2, 3], 0, 0.0, 0.0, machine.draws + 3),
+    )  # fmt: skip
+    world.reply(stale)
+    assert world.hub.front.machine(request_id).step == machine.step  # ignored
+    result = finished(world, request_id)
+    assert result.tokens == reference(model, SEEDED, "ngram").tokens
 
 
 def test_a_lost_decided_step_is_a_gap_the_orchestrator_reprimes_over(world, model):

@@ -12,7 +12,10 @@ Faults only cost speed:
   from the journaled steps once it is up (`Open` with `sample=False` and the records);
 - a Decided that is lost leaves a gap in the steps, which also means a re-prime;
 - a verify lane that reports the request failed ends it with an error result.
-Steps already applied (repeats after a re-prime) change nothing.
+Steps already applied (repeats after a re-prime) change nothing. Each Open carries a fresh `epoch`
+and the driver stamps its steps with it: steps of a driver started from an earlier Open (still in a
+socket after a restart, or from a lane that was re-primed) are ignored, since that driver may have cut
+the same tokens into other steps.
 
 Every decided step leaves as a `Journaled` effect, and `replay` rebuilds a machine from those
 records: a restarted orchestrator carries on from the last step any client can have seen.
@@ -21,6 +24,7 @@ records: a restarted orchestrator carries on from the last step any client can h
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import msgspec
@@ -80,6 +84,10 @@ class RequestMachine:
     def done(self) -> bool:
         return self.result is not None
 
+    @property
+    def pending_epoch(self) -> int | None:
+        return None if self.pending is None else self.pending.epoch
+
     # --- inputs ------------------------------------------------------------------------
 
     def begin(self, now: float) -> list[Effect]:
@@ -101,6 +109,8 @@ class RequestMachine:
                 return self._restart(now)
             self.result = Result.failed(self.id, msg.kind, msg.message)
             return [Raise(msg.kind, "verify", msg.message, self.id), *self._release()]
+        if msg.epoch != self.pending_epoch:
+            return []  # decided by a driver started from an earlier Open: its steps may be cut otherwise
         expected = self.step + 1 if self.history else 0
         record = msg.record
         if record is not None and record.step > expected:
@@ -159,6 +169,7 @@ class RequestMachine:
     # --- steps -------------------------------------------------------------------------
 
     def _to_verify(self, msg: Open, now: float) -> list[Effect]:
+        msg = msgspec.structs.replace(msg, epoch=secrets.randbits(62))  # unique across orchestrator restarts
         self.pending = msg
         if not self.lanes.is_up("verify"):
             self.waiting_for_verify_lane, self.deadline = True, math.inf

@@ -131,6 +131,9 @@ class Open(Work, frozen=True, kw_only=True):
     # journaled so far, which rebuild its session exactly as the orchestrator's.
     speculation: Speculation = msgspec.field(default_factory=lambda: Speculation(drafter="none", k=0))
     history: list[StepRecord] = []
+    # Which Open of the request this is: the driver stamps its Decided with it, and the orchestrator takes
+    # only those of the last Open it sent (a stale driver's steps may cut the tokens into other steps).
+    epoch: int = 0
 
 
 class StepsJournaled(Message, frozen=True, kw_only=True):
@@ -234,6 +237,7 @@ class Decided(Work, frozen=True, kw_only=True):
     record: StepRecord | None
     event: StepEvent | None = None
     over: bool = False
+    epoch: int = 0  # the Open the deciding driver started from
 
 
 class StepFailed(Work, frozen=True, kw_only=True):

@@ -208,7 +208,7 @@ class Driver:
             record, event = decided or (None, None)
             message = Decided(
                 request_id=self.id, step=self.step, trace=self.opened.trace, record=record, event=event,
-                over=want is None,
+                over=want is None, epoch=self.opened.epoch,
             )  # fmt: skip
             out.append(Out("data", message))
         if want is None:
