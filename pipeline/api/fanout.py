@@ -26,6 +26,7 @@ from starlette.types import Send
 from pipeline.api import choices
 from pipeline.api.core import DONE_EVENT, Formatter, event, failure
 from pipeline.api.errors import ApiError, pipeline_error
+from pipeline.api.generation import cancel_on_disconnect
 from pipeline.decoding.result import Result
 from pipeline.protocol.client import PipelineError
 from pipeline.protocol.messages import Submit
@@ -123,11 +124,6 @@ class Fanout:
         try:
             async with trio.open_nursery() as nursery:
 
-                async def watch() -> None:
-                    while (await request.receive())["type"] != "http.disconnect":
-                        pass
-                    nursery.cancel_scope.cancel()
-
                 async def gather(index: int, generation: Choice) -> None:
                     try:
                         async for item in generation.items():
@@ -140,7 +136,7 @@ class Fanout:
                     if errors:  # one choice failed: so does the response, at once
                         nursery.cancel_scope.cancel()
 
-                nursery.start_soon(watch)
+                nursery.start_soon(cancel_on_disconnect, request, nursery.cancel_scope)
                 async with trio.open_nursery() as gathering:
                     for index, generation in enumerate(self.generations):
                         gathering.start_soon(gather, index, generation)

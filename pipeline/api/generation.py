@@ -105,18 +105,19 @@ async def events(generation: Generation, fmt: Formatter, include_usage: bool) ->
         yield fmt.stream_end
 
 
+async def cancel_on_disconnect(request: Request, scope: trio.CancelScope) -> None:
+    """Cancel `scope` when the client of a whole (not streamed) response goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
 async def collect(request: Request, generation: Generation, fmt: Formatter) -> dict[str, Any]:
     """The whole response, while watching for the client to disconnect."""
     done: Result | None = None
     try:
         async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch)
+            nursery.start_soon(cancel_on_disconnect, request, nursery.cancel_scope)
             async for item in generation.items():
                 if isinstance(item, Result):
                     done = item
