@@ -224,10 +224,15 @@ class RequestMachine:
                 request_id=self.id, step=self.step, tokens=session.context[:-1], params=session.params,
                 seed=self.who.seed, draws=self.draws, sample=False, capacity=session.capacity(),
                 prompt_length=len(session.prompt_tokens), pending=session.context[-1], trace=self.who.trace,
-                features=self.who.features, speculation=self.who.speculation, history=self.history,
+                features=self.who.features, speculation=self.who.speculation, history=self._replayed(),
             ),
             now,
         )  # fmt: skip
+
+    def _replayed(self) -> list[StepRecord]:
+        """The journaled steps as a re-primed driver replays them: without their logprobs, which it
+        never serves (a long answer's entries would make the Open megabytes)."""
+        return [msgspec.structs.replace(r, logprobs=[]) if r.logprobs else r for r in self.history]
 
     def _finish(self, now: float, reason: str | None = None) -> list[Effect]:
         session = self.session
