@@ -50,9 +50,13 @@ class VerifyLane:
             elif not self.drafts.put_nowait(item.message) and isinstance(item.message, DraftRequest):
                 await self.send(self.core.draft_unsent(item.message.request_id, trio.current_time()))
         now = trio.current_time()
-        if now - self.last_report >= self.config.run.report_interval_seconds or not self.core.has_work():
+        run = self.config.run
+        if now - self.last_report >= run.report_interval_seconds or not self.core.has_work():
             self.last_report = now
+            reported = bool(self.reported)
             await self.report()
+            if reported and run.report_pause_seconds > 0 and self.core.has_work():
+                await trio.sleep(run.report_pause_seconds)  # their readers run now, not inside a forward
 
     async def report(self) -> None:
         out, self.reported = self.reported, []

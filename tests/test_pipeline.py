@@ -80,9 +80,10 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory):
         "timeouts.draft=30.0",
         "restart.initial_backoff=0.1",
         "audit.resend_after=0.5",
-        # Decided steps reach the orchestrator in batches here (other pipelines in the suite send them
-        # after every forward): every test of this module holds either way.
-        "run.report_interval_seconds=0.02",
+        # Decided steps reach the orchestrator after every forward here, with no pause (other pipelines
+        # in the suite send them in batches every 20 ms): every test of this module holds either way.
+        "run.report_interval_seconds=0",
+        "run.report_pause_seconds=0",
     ]
     with running_pipeline(tmp_path_factory.mktemp("run"), settings_) as p:
         yield p

@@ -57,7 +57,12 @@ class Run(Section):
     # How often the verify lane sends its decided steps to the orchestrator while it keeps decoding: 0,
     # after every forward; more means fewer, larger messages (fewer wake-ups of the orchestrator, the
     # audit lane and polling clients) for up to that much added latency per token.
-    report_interval_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    report_interval_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.02
+    # How long the verify lane yields the CPU after sending decided steps while it has more to decode:
+    # on a machine whose cores the forward's threads all use, the orchestrator, the audit lane and the
+    # clients then handle them between two forwards instead of stalling one. 0 on a machine with cores
+    # to spare.
+    report_pause_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.002
     # Prompt rows per verify-lane forward; the rest waits for the next forward, so other requests'
     # steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
     prefill_chunk: int = 128
