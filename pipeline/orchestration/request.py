@@ -63,7 +63,6 @@ class RequestMachine:
     def __init__(self, who: Identity, session: Session, lanes: LaneTable, timeouts: Timeouts) -> None:
         self.who, self.session, self.lanes, self.timeouts = who, session, lanes, timeouts
         self.history: list[StepRecord] = []  # the journaled steps: what a re-prime replays
-        self.draws = 0  # uniforms the verifier had spent after the last journaled step
         self.chunks: list[Chunk] = []
         self.result: Result | None = None
         self.pending: Open | None = None  # the Open the verify lane was last sent
@@ -79,6 +78,11 @@ class RequestMachine:
     def step(self) -> int:
         """The last journaled step (0 before any: the prefill is step 0)."""
         return self.history[-1].step if self.history else 0
+
+    @property
+    def draws(self) -> int:
+        """Uniforms the verifier had spent after the last journaled step."""
+        return self.history[-1].draws if self.history else 0
 
     @property
     def done(self) -> bool:
@@ -199,7 +203,6 @@ class RequestMachine:
         if record.step == 0:
             self.prefill_seconds = record.verify_seconds
         self.history.append(record)
-        self.draws = record.draws
         count = len(self.session.out.tokens) - before
         self._emit(text, before, letters(record.drafted, record.accepted, record.bonus, count))
 

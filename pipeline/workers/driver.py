@@ -43,7 +43,7 @@ from pipeline.protocol.messages import (
     Verify,
 )
 from pipeline.protocol.replay import apply
-from pipeline.workers.reporting import LaneReporter
+from pipeline.workers.reporting import LaneReporter, origin_of
 
 # The target's features a request keeps for its drafter while no DraftRequest takes them (steps that
 # draft nothing, a draft lane that is down): the latest, a bounded history for a learned drafter.
@@ -152,7 +152,7 @@ class Driver:
                 self.session.controller.costs.calibrate(msg.row_seconds)
             if not self.opened.sample:  # re-primed: carry on from the journaled step
                 return self._next(now, None)
-            record = first_step(msg, msg.seconds)
+            record = first_step(msg)
             return self._decided(record, step_event(self, None, msg, now), now)
         return self._verified(msg, now)
 
@@ -191,12 +191,14 @@ class Driver:
     def session_replay(self, records: list[StepRecord]) -> None:
         """The journaled steps, fed to the session as they first were (a re-prime)."""
         for record in records:
-            apply(self.session, record)
-            self.step, self.draws = record.step, record.draws
+            self._book(record)
 
-    def _decided(self, record: StepRecord, event: StepEvent, now: float) -> list[Out]:
+    def _book(self, record: StepRecord) -> None:
         apply(self.session, record)
         self.step, self.draws = record.step, record.draws
+
+    def _decided(self, record: StepRecord, event: StepEvent, now: float) -> list[Out]:
+        self._book(record)
         return self._next(now, (record, event))
 
     def _next(self, now: float, decided: tuple[StepRecord, StepEvent] | None) -> list[Out]:
@@ -287,8 +289,7 @@ class Driver:
 def matches(pending: Open | DraftRequest | Verify, reply: Opened | Verified | Drafted | StepFailed) -> bool:
     """Whether `reply` answers `pending` (the same step is not enough: a draft's reply must be a draft's)."""
     if isinstance(reply, StepFailed):
-        origin = "open" if isinstance(pending, Open) else "verify" if isinstance(pending, Verify) else "draft"
-        return reply.origin == origin
+        return reply.origin == origin_of(pending)
     expected = {Open: Opened, Verify: Verified, DraftRequest: Drafted}[type(pending)]
     return isinstance(reply, expected)
 
@@ -337,10 +338,11 @@ def proposal_of(msg: Drafted) -> tuple[Proposal, str | None]:
     return Proposal(msg.tokens, probs, msg.drafter, msg.parents, msg.shares), None
 
 
-def first_step(msg: Opened, prefill_seconds: float) -> StepRecord:
-    """Step 0 as the journal keeps it: the prefill's first token, and its entry when asked for."""
+def first_step(msg: Opened) -> StepRecord:
+    """Step 0 as the journal keeps it: the prefill's first token (its time, the lane's prefill time;
+    the orchestrator books its own, from admission), and its entry when asked for."""
     assert msg.token is not None
-    return StepRecord(0, 0, [msg.token], 0, 0.0, prefill_seconds, msg.draws, logprobs=msg.logprobs)
+    return StepRecord(0, 0, [msg.token], 0, 0.0, msg.seconds, msg.draws, logprobs=msg.logprobs)
 
 
 def step_event(driver: Driver, planned: Planned | None, reply: Opened | Verified, now: float) -> StepEvent:

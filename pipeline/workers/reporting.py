@@ -8,6 +8,8 @@ from typing import Literal, Protocol
 from pipeline.observability.telemetry import Telemetry
 from pipeline.protocol.messages import DraftRequest, FaultKind, Open, SpeculativeState, StepFailed, Verify
 
+Origin = Literal["open", "verify", "draft"]
+
 
 class LaneReporter(Protocol):
     state: SpeculativeState
@@ -30,7 +32,10 @@ def step_failed(
     "re-prime me" (unknown_request: the orchestrator recovers from it on its own)."""
     if kind != "unknown_request":
         reporter.fault(kind, message, msg.request_id, msg.step, msg.trace)
-    origin: Literal["open", "verify", "draft"] = (
-        "open" if isinstance(msg, Open) else "verify" if isinstance(msg, Verify) else "draft"
-    )
+    origin = origin_of(msg)
     return StepFailed(request_id=msg.request_id, step=msg.step, origin=origin, kind=kind, message=message)
+
+
+def origin_of(msg: Open | Verify | DraftRequest) -> Origin:
+    """Which kind of work a StepFailed answers (its `origin`)."""
+    return "open" if isinstance(msg, Open) else "verify" if isinstance(msg, Verify) else "draft"

@@ -26,7 +26,7 @@ from pipeline.protocol.messages import (
     VerifyInbox,
 )
 from pipeline.workers.driver import DraftLane, Driver, Out
-from pipeline.workers.reporting import LaneReporter
+from pipeline.workers.reporting import LaneReporter, step_failed
 from pipeline.workers.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -136,10 +136,7 @@ class VerifyCore:
         for msg in messages:
             self.verifier.forget(msg.request_id)
             if self.drivers.pop(msg.request_id, None) is not None:
-                failed = StepFailed(
-                    request_id=msg.request_id, step=msg.step, origin="verify", kind="unknown_request",
-                    message="this lane lost the request's state",
-                )  # fmt: skip
+                failed = step_failed(self.lane, msg, "unknown_request", "this lane lost the request's state")
                 out.append(Out("data", failed))
         return out
 
