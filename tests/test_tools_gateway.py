@@ -179,13 +179,18 @@ def test_responses_create_whole_and_streamed(client, model):
 # --- LangChain ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def langchain_model(gateway_pipeline: Pipeline, model: str):
+def langchain_chat(pipeline: Pipeline, model: str, **options: Any):
+    """LangChain's OpenAI chat model on the shared gateway, greedy, with `options` (stream_usage, ...)."""
     langchain_openai = pytest.importorskip("langchain_openai")
     return langchain_openai.ChatOpenAI(
-        model=model, base_url=f"{gateway_pipeline.gateway_url}/v1", api_key="unused", temperature=0,
-        max_tokens=LIMIT, max_retries=0,
+        model=model, base_url=f"{pipeline.gateway_url}/v1", api_key="unused", temperature=0,
+        max_tokens=LIMIT, max_retries=0, **options,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def langchain_model(gateway_pipeline: Pipeline, model: str):
+    return langchain_chat(gateway_pipeline, model)
 
 
 def test_langchain_bind_tools_and_invoke(langchain_model):
@@ -224,11 +229,7 @@ def test_langchain_structured_output_by_function_calling(langchain_model):
 
 def test_langchain_counts_streamed_usage_once(gateway_pipeline: Pipeline, model: str):
     """`stream_usage=True` sums the usage of every chunk: only the include_usage chunk may carry it."""
-    langchain_openai = pytest.importorskip("langchain_openai")
-    streaming = langchain_openai.ChatOpenAI(
-        model=model, base_url=f"{gateway_pipeline.gateway_url}/v1", api_key="unused", temperature=0,
-        max_tokens=LIMIT, max_retries=0, stream_usage=True,
-    )  # fmt: skip
+    streaming = langchain_chat(gateway_pipeline, model, stream_usage=True)
     question = "Name three colours."
     whole = streaming.invoke(question).usage_metadata
     chunks = list(streaming.stream(question))
@@ -271,11 +272,7 @@ def test_llm_cli_with_a_tool(gateway_pipeline: Pipeline, model: str, tmp_path: P
 
 def test_langchain_over_the_responses_api(gateway_pipeline: Pipeline, model: str):
     """`use_responses_api=True`: LangChain's newer code path, with a tool call forced by name."""
-    langchain_openai = pytest.importorskip("langchain_openai")
-    responses_model = langchain_openai.ChatOpenAI(
-        model=model, base_url=f"{gateway_pipeline.gateway_url}/v1", api_key="unused", temperature=0,
-        max_tokens=LIMIT, max_retries=0, use_responses_api=True,
-    )  # fmt: skip
+    responses_model = langchain_chat(gateway_pipeline, model, use_responses_api=True)
     assert responses_model.invoke("Name the capital of France.").text
     bound = responses_model.bind_tools([WEATHER], tool_choice="get_weather")
     message = bound.invoke("What is the weather in Paris right now?")
