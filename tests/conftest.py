@@ -95,6 +95,20 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def gemma3_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma 3 270M Q4_K_M file (ops/setup.sh installs its packages), assembled once per run
+    into the private weight cache; the test is skipped, saying why, where the packages are absent."""
+    from pipeline.model.default import gemma3_path
+    from pipeline.model.errors import ModelFileError
+
+    with made_once(tmp_path_factory, "gemma3-file"):
+        try:
+            return gemma3_path()
+        except ModelFileError as exc:
+            pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def served_model(tmp_path_factory: pytest.TempPathFactory):
     """The default model on the backend a pipeline serves it with by default (`model.backend=auto`),
     with its t(rows) curve measured once per run (the verify lanes of tests' pipelines read it too)."""
