@@ -1,0 +1,106 @@
+"""CPU milliseconds per token of every pipeline process, on a long plain greedy stream.
+
+Why CPU per token and not only tokens/s: on a 2-core machine every millisecond the orchestrator,
+the audit lane or the client spends comes out of the verify lane's 2-thread forward, and that cost
+can be counted per process however busy the machine is (other work only slows the wall clock).
+tokens/s is printed too, with the machine's load beside it, but it is only comparable between
+runs on a quiet machine.
+
+It starts a private pipeline (`running_pipeline`: a temporary run directory, no gateway), warms it
+with one short request, then streams `--tokens` greedy tokens with drafter `none` and EOS ignored,
+`--repeats` times, reading each process's utime + stime from /proc before and after each stream
+(the supervisor, the four lanes, this process as the client, and the machine's other work).
+Run from the repository's root:
+
+    .venv/bin/python ops/bench/lane_cpu.py [--tokens 1000] [--repeats 3] [--set KEY=VALUE ...] [--json]
+
+To compare two commits side by side, run the script of each from its own worktree, alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pipeline.bench.common import (
+    WORKLOADS,
+    cpu_snapshot,
+    lane_pids,
+    load_note,
+    running_pipeline,
+    via_pipeline,
+)
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.protocol.client import Client
+
+PROCESSES = ("verify", "orchestrator", "audit", "draft", "supervisor", "clients", "others")
+
+
+def parent_pid(pid: int) -> int:
+    """The supervisor is every lane's parent."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def one_stream(client: Client, pids: dict[str, int], text: str, tokens: int) -> dict:
+    """One long stream; CPU ms per token of each process, and tok/s with the load it ran under."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    before = cpu_snapshot(pids)
+    run = via_pipeline(client, text, params, "none")
+    after = cpu_snapshot(pids)
+    count = len(run["tokens"])
+    spent = {name: after[name] - before[name] for name in after}
+    ours = sum(v for k, v in spent.items() if k != "machine")
+    spent["others"] = max(0.0, spent.pop("machine") - ours)
+    return {
+        "tokens": count, "seconds": run["seconds"], "tokens_per_second": count / run["seconds"],
+        "load": load_note(), "cpu_ms_per_token": {k: 1000.0 * v / count for k, v in spent.items()},
+        "output": run["tokens"],
+    }  # fmt: skip
+
+
+def render(runs: list[dict]) -> str:
+    lines = ["cpu ms/token: " + " ".join(f"{p:>12}" for p in PROCESSES) + "   tok/s  load 1/5/15"]
+    for run in runs:
+        cells = " ".join(f"{run['cpu_ms_per_token'].get(p, 0.0):12.3f}" for p in PROCESSES)
+        lines.append(f"{run['tokens']:>6} tokens: {cells}  {run['tokens_per_second']:6.1f}  {run['load']}")
+    medians = {p: statistics.median(r["cpu_ms_per_token"].get(p, 0.0) for r in runs) for p in PROCESSES}
+    rate = statistics.median(r["tokens_per_second"] for r in runs)
+    cells = " ".join(f"{medians[p]:12.3f}" for p in PROCESSES)
+    lines.append(f"{'median':>13}: {cells}  {rate:6.1f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1000, help="new tokens per stream (EOS ignored)")
+    parser.add_argument("--repeats", type=int, default=3, help="streams, each measured on its own")
+    parser.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
+    parser.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for the pipeline")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args()
+    runs = []
+    with running_pipeline(args.set) as config, Client(config.addresses.client, timeout=60.0) as client:
+        via_pipeline(client, "Hello.", SamplingParams(max_tokens=16, ignore_eos=True), "none")  # warm
+        pids = lane_pids(client.status())
+        pids["supervisor"] = parent_pid(pids["orchestrator"])
+        for _ in range(args.repeats):
+            time.sleep(0.2)  # the last request's tail (audit acks, heartbeats) settles
+            runs.append(one_stream(client, pids, WORKLOADS[args.workload], args.tokens))
+    outputs = {tuple(r.pop("output")) for r in runs}
+    if args.json:
+        print(json.dumps({"runs": runs, "identical": len(outputs) == 1, "commit": os.getcwd()}))
+    else:
+        print(render(runs))
+        print(f"outputs identical across streams: {len(outputs) == 1}")
+    return 0 if len(outputs) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
