@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.api import core, tool_calls, tools
-from pipeline.api.chat_messages import ChatMessage, chat_messages
+from pipeline.api.chat_messages import ChatMessage, chat_messages, tool_fields
 from pipeline.api.errors import ApiError, decode_json
 from pipeline.api.extension import asks_decided, decided_field
 from pipeline.api.logprobs_format import requested
@@ -86,7 +86,9 @@ def to_submit(
         stop=req.stop, logprobs=requested(True, req.logprobs, req.top_logprobs),
         response_format=_output_format(req, plan),
     )  # fmt: skip
-    return core.make_submit(req, params, messages=chat_messages(req.messages, plan))
+    return core.make_submit(
+        req, params, messages=chat_messages(req.messages, plan), **tool_fields(req.messages, plan)
+    )
 
 
 def _output_format(req: ChatRequest, plan: tools.ToolPlan | None) -> str | None:

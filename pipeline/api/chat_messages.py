@@ -11,7 +11,8 @@ Tools reach the model as plain messages, so every chat template renders them (th
 documented in docs/api.md): the offered functions and how to call them in a system message; an
 assistant's earlier calls as the `<tool_call>` blocks it would write (api/tool_calls.py); a tool's
 result as a user message holding a `<tool_response>` block (consecutive results in one message, so
-templates that insist on alternating roles accept them).
+templates that insist on alternating roles accept them). The same turns also go structured, with the
+`tools` array (`tool_fields`), for a model whose own template renders tools (model/tool_templates.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import msgspec
 
 from pipeline.api.errors import ApiError
 from pipeline.api.tool_calls import arguments_object, call_text
-from pipeline.api.tools import ToolPlan, describe
+from pipeline.api.tools import ToolPlan, describe, function_spec
 
 # `developer` is OpenAI's newer name for `system`; the chat templates know only `system`.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -79,6 +80,36 @@ def chat_messages(messages: list[ChatMessage], plan: ToolPlan | None = None) -> 
     return out
 
 
+def tool_fields(messages: list[ChatMessage], plan: ToolPlan | None) -> dict[str, Any]:
+    """Submit's `tools` and `tool_messages` where the answer may call: the conversation as a
+    template that renders tools takes it (HF's convention: arguments as objects, results as `tool`
+    messages with the id of the call they answer)."""
+    if plan is None or not plan.calls:
+        return {}
+    tools = [{"type": "function", "function": function_spec(f)} for f in plan.offered]
+    turns: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role, calls = _role(message, i), _calls(message)
+        content = None if calls and message.content is None else _content(message, i)
+        turn: dict[str, Any] = {"role": role, "content": content}
+        if role == "tool":
+            turn |= {"tool_call_id": message.tool_call_id, "name": message.name}
+        if calls:
+            turn["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": arguments_object(c.function.arguments)}}
+                for c in calls
+            ]  # fmt: skip
+        turns.append(turn)
+    return {"tools": tools, "tool_messages": turns}
+
+
+def _calls(message: ChatMessage) -> list[ToolCall]:
+    """An assistant's calls, the legacy `function_call` among them."""
+    legacy = [ToolCall(function=message.function_call)] if message.function_call is not None else []
+    return [*(message.tool_calls or []), *legacy]
+
+
 def _role(message: ChatMessage, index: int) -> str:
     where = f"messages.{index}"
     if message.role in TOOL_ROLES:
@@ -96,9 +127,7 @@ def _role(message: ChatMessage, index: int) -> str:
 
 def _assistant(message: ChatMessage, index: int) -> str:
     """An assistant's turn: its text, then its calls as it would have written them."""
-    calls = list(message.tool_calls or [])
-    if message.function_call is not None:
-        calls.append(ToolCall(function=message.function_call))
+    calls = _calls(message)
     if not calls:
         return _content(message, index)
     blocks = [call_text(c.function.name, _arguments(c.function.arguments)) for c in calls]

@@ -15,7 +15,14 @@ from typing import Annotated, Any
 import msgspec
 
 from pipeline.api import core, tool_calls, tools
-from pipeline.api.chat_messages import ChatMessage, ContentPart, FunctionCall, ToolCall, chat_messages
+from pipeline.api.chat_messages import (
+    ChatMessage,
+    ContentPart,
+    FunctionCall,
+    ToolCall,
+    chat_messages,
+    tool_fields,
+)  # fmt: skip
 from pipeline.api.errors import ApiError, decode_json
 from pipeline.api.response_events import Echo, ResponseFormatter
 from pipeline.protocol.messages import Submit
@@ -115,7 +122,8 @@ def to_submit(
         req, max_tokens=req.max_output_tokens, max_tokens_name="max_output_tokens",
         default_max_tokens=default_max_tokens, response_format=_output_format(req, plan),
     )  # fmt: skip
-    return core.make_submit(req, params, messages=chat_messages(_messages(req), plan))
+    turns = _messages(req)
+    return core.make_submit(req, params, messages=chat_messages(turns, plan), **tool_fields(turns, plan))
 
 
 def _stateless(req: ResponsesRequest) -> None:

@@ -150,10 +150,15 @@ def plan(
     return ToolPlan(tuple(defs), tuple(allowed), choice, not single, legacy, named)  # type: ignore[arg-type]
 
 
-def describe(function: FunctionDef) -> str:
-    """One function as the prompt shows it: compact JSON of its name, description and parameters."""
+def function_spec(function: FunctionDef) -> dict[str, Any]:
+    """One function as a prompt shows it: its name, description and the schema of its arguments."""
     spec: dict[str, Any] = {"name": function.name}
     if function.description:
         spec["description"] = function.description
     spec["parameters"] = arguments_schema(function)
-    return json.dumps(spec, ensure_ascii=False)
+    return spec
+
+
+def describe(function: FunctionDef) -> str:
+    """One function as the fallback prompt shows it: compact JSON of `function_spec`."""
+    return json.dumps(function_spec(function), ensure_ascii=False)

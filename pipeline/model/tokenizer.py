@@ -18,6 +18,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pipeline.model.errors import ModelFileError
+from pipeline.model.tool_templates import renders_hermes_tools
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -133,23 +134,39 @@ class Tokenizer:
             self._added_tokens = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
         return self._added_tokens
 
-    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:  # fmt: skip
+        """The prompt the model's template makes of `messages`. With `tools` (only where
+        `renders_tools`), the messages are OpenAI-shaped, tool calls and results included, and the
+        template renders the tools itself (`tool_templates`)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
+        # A structured assistant turn that only calls tools has no content (OpenAI's null).
+        contents = (str, type(None)) if tools is not None else str
         for m in messages:
             if (
                 not isinstance(m, dict)
                 or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
+                or not isinstance(m.get("content"), contents)
             ):
                 raise ValueError('each chat message must be an object {"role": str, "content": str}')
+        if tools is not None and not self.renders_tools:
+            raise ValueError("this model's chat template does not render tools")
         template = _chat_environment().from_string(self.chat_template)
         return template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
             eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
+            **({"tools": tools} if tools is not None else {}),
         )
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools in the call format the server constrains."""
+        return renders_hermes_tools(self.chat_template)
 
     def stream(self, *, skip_special: bool = False) -> TextStream:
         return TextStream(self, skip_special)
@@ -200,7 +217,19 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None,
+    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+) -> str:  # fmt: skip
+    """transformers' `tojson`: plain JSON in the given key order. Jinja's own escapes <, > and & and
+    sorts keys, so a tool's schema would reach the model unlike the text it was trained on."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 def _chat_environment() -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = _tojson
     return env

@@ -54,9 +54,12 @@ def requested_id_problem(msg: Submit) -> str | None:
 
 
 def request_tokens(msg: Submit, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids: given as such, or built from the text or the chat messages.
-    ValueError says why there are none."""
+    """The prompt's token ids: given as such, or built from the text or the chat messages (a tool
+    request's structured turns where the model's template renders tools itself). ValueError says
+    why there are none."""
     if msg.prompt_token_ids is None:
+        if msg.tools is not None and msg.tool_messages is not None and tokenizer.renders_tools:
+            return tokenizer.encode(tokenizer.render_chat(msg.tool_messages, tools=msg.tools))
         return prompt_tokens(tokenizer, msg.prompt, chat=msg.chat, messages=msg.messages)
     if msg.prompt is not None or msg.messages is not None or msg.chat:
         raise ValueError("give the prompt as text, chat messages or token ids, not several")

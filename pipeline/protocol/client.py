@@ -107,11 +107,13 @@ def submit_message(
     max_iterations: int | None = None,
     owner: str = "",
     prompt_token_ids: list[int] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_messages: list[dict[str, Any]] | None = None,
 ) -> Submit:
     return Submit(
         prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids, chat=chat,
         params=params or SamplingParams(), drafter=drafter, k=k, max_iterations=max_iterations,
-        owner=owner, idempotency_key=uuid.uuid4().hex,
+        owner=owner, idempotency_key=uuid.uuid4().hex, tools=tools, tool_messages=tool_messages,
     )  # fmt: skip
 
 

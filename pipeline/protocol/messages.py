@@ -387,6 +387,11 @@ class Submit(Message, frozen=True, kw_only=True):
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt_token_ids: list[int] | None = None  # the prompt as the model's token ids, used as given
+    # A tool request's conversation kept structured (assistant `tool_calls`, `tool` results) and its
+    # OpenAI `tools`: admission renders these through the model's own template where it renders tools
+    # (model/tool_templates.py), and `messages`, the same turns in the fallback format, elsewhere.
+    tools: list[dict[str, Any]] | None = None
+    tool_messages: list[dict[str, Any]] | None = None
     chat: bool = False
     params: SamplingParams = SamplingParams()
     drafter: str | None = None  # None: the configured default
