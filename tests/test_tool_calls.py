@@ -188,6 +188,14 @@ def test_the_grammar_takes_exactly_calls_that_validate(matcher):
     assert not any(matcher(auto, text) for text in bad)
 
 
+def test_an_answer_holds_at_most_max_calls(matcher):
+    """A model that repeats a call is stopped by the grammar, not by the end of its context."""
+    required = plan_of(tools=[WEATHER, TIME], tool_choice="required")
+    time = tool_calls.call_text("get_time", "{}")
+    assert matcher(required, tool_calls.SEP.join([time] * tool_calls.MAX_CALLS))
+    assert not matcher(required, tool_calls.SEP.join([time] * (tool_calls.MAX_CALLS + 1)))
+
+
 ODD = tool_calls.call_text("get_weather", '{"city": "}\\"{[", "unit": "celsius"}')  # braces in a string
 
 

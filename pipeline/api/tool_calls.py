@@ -28,6 +28,9 @@ OPEN = '<tool_call>\n{"name": "'
 MID = '", "arguments": '
 CLOSE = "}\n</tool_call>"
 SEP = "\n"
+# The most calls one answer holds. A small model can repeat a call for ever; with no max_tokens (the
+# default) it would run to the end of its context, so the grammar ends the answer here instead.
+MAX_CALLS = 16
 START = OPEN.split("\n")[0]  # what marks an answer that calls, rather than text
 # The parser's states after each fixed piece of text.
 NEXT = {"open": "name", "mid": "args", "close": "between", "between": "open"}
@@ -46,11 +49,11 @@ def _rule(function: FunctionDef, index: int) -> list[str]:
 
 def grammar(plan: ToolPlan) -> str:
     """The Lark grammar (llguidance's dialect) of an answer under `plan`: calls of the allowed
-    functions (one, or several when parallel), or, for tool_choice auto, text that does not start
-    like a call."""
+    functions (one, or up to MAX_CALLS when parallel), or, for tool_choice auto, text that does not
+    start like a call."""
     rules = [line for i, function in enumerate(plan.allowed) for line in _rule(function, i)]
     call = " | ".join(f"call_{i}" for i in range(len(plan.allowed)))
-    calls = f"call ({json.dumps(SEP)} call)*" if plan.parallel else "call"
+    calls = f"call ({json.dumps(SEP)} call){{0,{MAX_CALLS - 1}}}" if plan.parallel else "call"
     start = "calls | TEXT" if plan.choice == "auto" else "calls"
     text = f"TEXT: /(?s:.+)/ & ~/{START}(?s:.*)/"  # any text that is not a call's start
     return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {call}", *rules, text]) + "\n"
