@@ -36,3 +36,18 @@ def test_the_bench_reports_trees_against_their_chains(tiny, monkeypatch):
     table = sb.render(results)
     assert "vs chain" in table.splitlines()[0]
     assert f"{rows['ngram']['tree_vs_linear']:.2f}x" in table.splitlines()[2]
+
+
+def test_a_base_model_gets_the_completion_form_of_each_workload(tiny_tokenizer):
+    """A model without a chat template (Gemma 3 270M is one) is benchmarked on completions."""
+    from types import SimpleNamespace
+
+    from pipeline.bench.common import COMPLETION_WORKLOADS, WORKLOADS, chat_prompt, workload_prompt
+    from pipeline.model.tokenizer import Tokenizer
+
+    chat_model = SimpleNamespace(tokenizer=tiny_tokenizer)
+    base = Tokenizer(tiny_tokenizer.hf, {"eos_id": tiny_tokenizer.eos_id, "chat_template": None})
+    base_model = SimpleNamespace(tokenizer=base)
+    assert workload_prompt(chat_model, "code", WORKLOADS["code"]) == chat_prompt(chat_model, WORKLOADS["code"])
+    assert base.decode(workload_prompt(base_model, "code", WORKLOADS["code"])) == COMPLETION_WORKLOADS["code"]
+    assert sorted(COMPLETION_WORKLOADS) == sorted(WORKLOADS)

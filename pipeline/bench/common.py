@@ -181,3 +181,21 @@ def same_output(a: dict, b: dict) -> bool:
 def chat_prompt(model: Model, text: str) -> list[int]:
     assert model.tokenizer is not None
     return model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))
+
+
+# A base model (no chat template, as Gemma 3 270M) continues text rather than answering it: the same
+# three tasks as completions, so the drafters meet the same kinds of text (prose, a copy, a code edit).
+COMPLETION_WORKLOADS = {
+    "chat": "Once upon a time, there was a robot who wanted to learn to paint. Every morning, the robot",
+    "quote": f"{PASSAGE}\n\nThe same passage again, word for word:\n\n",
+    "code": f"```python\n{CODE}```\n\nThe function with `total` renamed to `running_sum`:\n\n```python\n",
+}
+
+
+def workload_prompt(model: Model, workload: str, text: str) -> list[int]:
+    """A workload's prompt: a user's chat turn for a model with a chat template, else the workload's
+    completion form (`COMPLETION_WORKLOADS`; `text` itself for a workload without one)."""
+    assert model.tokenizer is not None
+    if model.tokenizer.chat_template:
+        return chat_prompt(model, text)
+    return model.tokenizer.encode(COMPLETION_WORKLOADS.get(workload, text))

@@ -25,7 +25,7 @@ import json
 import statistics
 from collections.abc import Callable
 
-from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate
+from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate, workload_prompt
 from pipeline.bench.flags import add_backend_flag, add_common_flags
 from pipeline.decoding.drafters.kinds import needs_draft_model, needs_head, parts, samples
 from pipeline.decoding.drafters.registry import make_draft_source
@@ -71,7 +71,8 @@ def paired(runs: list[Result], baseline: list[Result], rate: Callable[[Result], 
 
 def workloads(held_out: int) -> dict[str, str]:
     """The three workloads, plus `held_out` chat prompts whose subjects no draft head trained on
-    (`training.prompts`: the chat workload's own subject is held out too)."""
+    (`training.prompts`: the chat workload's own subject is held out too). A base model gets each
+    workload's completion form (`common.workload_prompt`), and no held-out prompts (they are chat)."""
     from pipeline.training.prompts import prompts
 
     test = prompts("test")
@@ -85,8 +86,8 @@ def run(
 ) -> dict:  # fmt: skip
     assert model.tokenizer is not None
     results: dict = {}
-    for workload, text in workloads(held_out).items():
-        prompt = model.tokenizer.encode(model.tokenizer.render_chat([{"role": "user", "content": text}]))
+    for workload, text in workloads(held_out if model.tokenizer.chat_template else 0).items():
+        prompt = workload_prompt(model, workload, text)
         runs: dict[str, list] = {d: [] for d in drafters}
         for _ in range(repeats):
             for name in drafters:
