@@ -48,6 +48,7 @@ def test_a_base_model_gets_the_completion_form_of_each_workload(tiny_tokenizer):
     chat_model = SimpleNamespace(tokenizer=tiny_tokenizer)
     base = Tokenizer(tiny_tokenizer.hf, {"eos_id": tiny_tokenizer.eos_id, "chat_template": None})
     base_model = SimpleNamespace(tokenizer=base)
-    assert workload_prompt(chat_model, "code", WORKLOADS["code"]) == chat_prompt(chat_model, WORKLOADS["code"])
+    code = WORKLOADS["code"]
+    assert workload_prompt(chat_model, "code", code) == chat_prompt(chat_model, code)
     assert base.decode(workload_prompt(base_model, "code", WORKLOADS["code"])) == COMPLETION_WORKLOADS["code"]
     assert sorted(COMPLETION_WORKLOADS) == sorted(WORKLOADS)
