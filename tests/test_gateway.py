@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import __version__, cli
 from pipeline.api.core import NO_MAX_TOKENS
+from pipeline.bench.common import PASSAGE
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.logprobs import token_string
@@ -961,15 +962,14 @@ def test_a_client_that_leaves_an_n_stream_cancels_every_choice(pipeline, client,
 
 @pytest.mark.slow
 def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, served_model, capsys):
-    """Scraped after every request of this module has finished and been recorded (cancelled ones too)."""
+    """Scraped after every request of this module has finished and been recorded (cancelled ones too).
+    Its own requests make every figure checked here non-zero, whichever tests ran before it: a copy
+    of a passage, which n-gram drafts from the prompt are accepted on, as a chat and as a completion."""
+    copy = f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}"
     for drafter in ("ngram", "none"):
-        client.completions.create(
-            model=model,
-            prompt=CODE,
-            max_tokens=24,
-            temperature=0,
-            extra_body={"speculation": {"drafter": drafter}},
-        )
+        asked = {"model": model, "temperature": 0, "extra_body": {"speculation": {"drafter": drafter}}}
+        client.chat.completions.create(messages=[{"role": "user", "content": copy}], max_tokens=32, **asked)
+        client.completions.create(prompt=CODE, max_tokens=8, **asked)
     pipeline.wait_until(
         lambda r: _idle(r) and r.queued_requests == 0 and r.audit_pending == 0, what="everything recorded"
     )
