@@ -1,26 +1,67 @@
-"""Read a llama-family GGUF file into prepared float32 arrays.
+"""Read a GGUF file of a supported family into prepared float32 arrays.
 
 Preparation happens once per file (the result is cached, see `store`): dequantize,
 undo llama.cpp's rotary row permutation of Q and K, fuse Q/K/V and gate/up into
 single matrices stored (in, out) C-contiguous, and fold the RMS-norm weights into
 the matrix that follows each norm. A decode step then costs one product per fused
-matrix and no element-wise norm scaling.
+matrix and no element-wise norm scaling. The families' other norms (per-head QK-norm,
+Gemma's post-norms) act on a product's output, so they stay element-wise weights.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import Activation, ModelConfig
 from pipeline.model.errors import ModelFileError
 
-# Architectures whose block is the llama block. `permuted`: llama.cpp's converter
-# interleaves rotary pairs in Q/K rows for these (it does not for qwen2, which it
-# runs with NEOX-style rotation, the same rotate-half we use).
-SUPPORTED_ARCHITECTURES = {"llama": {"permuted": True}, "qwen2": {"permuted": False}}
+
+@dataclass(frozen=True)
+class Family:
+    """How one `general.architecture` departs from the llama block, as llama.cpp's graph for it
+    computes. What a file states (head width, window, bases, scaling) is read from the file; these
+    are the rules llama.cpp hard-codes per architecture, so a file never states them."""
+
+    # llama.cpp's converter interleaves rotary pairs in Q/K rows (llama); the others are written
+    # in rotate-half order and run with NEOX-style rotation, the same rotate-half we use.
+    permuted: bool
+    qkv_bias: bool = True  # Q/K/V biases are read when the file has them (llama.cpp loads them)
+    rope_freqs: bool = True  # a rope_freqs.weight tensor divides the RoPE frequencies (Llama 3)
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: Activation = "silu"
+    embed_scaled: bool = False  # the embedding rows times sqrt(d_model)
+    # Sliding-window local layers: the window is read from the file (required), the layer pattern
+    # too where the file has one, else `swa_period` (llama.cpp's set_swa_pattern), and the local
+    # layers' RoPE base is `rope_theta_local` (llama.cpp's rope_freq_base_train_swa: no key).
+    sliding: bool = False
+    swa_period: int = 0
+    rope_theta_local: float = 0.0
+
+
+FAMILIES = {
+    "llama": Family(permuted=True),  # Llama 1-3, SmolLM2; Llama 3's RoPE scaling is rope_freqs
+    "qwen2": Family(permuted=False),
+    "qwen3": Family(permuted=False, qkv_bias=False, rope_freqs=False, qk_norm=True),
+    "gemma3": Family(
+        permuted=False, qkv_bias=False, rope_freqs=False, qk_norm=True, post_norms=True,
+        activation="gelu_tanh", embed_scaled=True, sliding=True, swa_period=6, rope_theta_local=10000.0,
+    ),
+}  # fmt: skip
+# The former registry's shape, for readers not yet moved to FAMILIES.
+SUPPORTED_ARCHITECTURES = {name: {"permuted": family.permuted} for name, family in FAMILIES.items()}
+# Metadata whose computation no family here performs: a file declaring one is refused, not served wrong.
+REFUSED_KEYS = {
+    "final_logit_softcapping": "final logit soft-capping",
+    "attn_logit_softcapping": "attention logit soft-capping",
+}
+# RoPE scaling types (`rope.scaling.type`) computed as llama.cpp does: "linear" divides positions by
+# `rope.scaling.factor`; llama.cpp applies a factor the same way under "none" (or no type at all).
+LINEAR_SCALING = ("none", "", "linear")
 
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
@@ -28,9 +69,14 @@ TOKENIZER_KEYS = (
     "tokenizer.ggml.tokens",
     "tokenizer.ggml.merges",
     "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",  # SentencePiece-style vocabularies merge by these
     "tokenizer.ggml.bos_token_id",
     "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
     "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_eos_token",
+    "tokenizer.ggml.add_space_prefix",
     "tokenizer.chat_template",
 )
 
@@ -57,30 +103,42 @@ def _field(reader: Any, key: str, default: Any = ...) -> Any:
     return field.contents()
 
 
+def family_of(arch: str) -> Family:
+    family = FAMILIES.get(arch)
+    if family is None:
+        supported = ", ".join(sorted(FAMILIES))
+        raise ModelFileError(f"unsupported architecture {arch!r} (supported: {supported})")
+    return family
+
+
 def read_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise ModelFileError(f"unsupported architecture {arch!r} (supported: {supported})")
+    family = family_of(arch)
+    for key, what in REFUSED_KEYS.items():
+        if float(_field(reader, f"{arch}.{key}", 0.0) or 0.0) != 0.0:
+            raise ModelFileError(f"{what} ({arch}.{key}) is not supported")
     names = {t.name for t in reader.tensors}
     n_heads = int(_field(reader, f"{arch}.attention.head_count"))
     d_model = int(_field(reader, f"{arch}.embedding_length"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", d_model // n_heads))
+    value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ModelFileError(f"value heads of {value_dim} differ from key heads of {head_dim}")
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ModelFileError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim})")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
-        raise ModelFileError(f"unsupported rope scaling {scaling!r}")
+    if "rope_freqs.weight" in names and not family.rope_freqs:
+        raise ModelFileError(f"a rope_freqs.weight tensor in a {arch} file is not supported")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise ModelFileError("tensor 'token_embd.weight' is missing")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else int(embed.shape[1])))
+    n_layers = int(_field(reader, f"{arch}.block_count"))
     return ModelConfig(
         architecture=arch,
         name=str(_field(reader, "general.name", "unnamed")),
-        n_layers=int(_field(reader, f"{arch}.block_count")),
+        n_layers=n_layers,
         d_model=d_model,
         d_ff=int(_field(reader, f"{arch}.feed_forward_length")),
         n_heads=n_heads,
@@ -91,9 +149,57 @@ def read_config(reader: Any) -> ModelConfig:
         context_length=int(_field(reader, f"{arch}.context_length", 2048)),
         vocab_size=vocab,
         tied_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias=family.qkv_bias and "blk.0.attn_q.bias" in names,
         rope_freq_factors="rope_freqs.weight" in names,
+        activation=family.activation,
+        qk_norm=family.qk_norm,
+        post_norms=family.post_norms,
+        embed_scale=float(np.sqrt(d_model)) if family.embed_scaled else 1.0,
+        attn_scale=_attention_scale(arch, n_layers, d_model, n_heads),
+        rope_scale=_rope_scale(reader, arch),
+        **_local_layers(reader, arch, family, n_layers),
     )
+
+
+def _attention_scale(arch: str, n_layers: int, d_model: int, n_heads: int) -> float:
+    """The query scale where it is not head_dim ** -0.5 (0 in the config): llama.cpp scales Gemma 3
+    27B's queries (its 62 layers name the size) by (d_model / n_heads) ** -0.5, its
+    query_pre_attn_scalar; no GGUF key states it."""
+    return (d_model / n_heads) ** -0.5 if arch == "gemma3" and n_layers == 62 else 0.0
+
+
+def _rope_scale(reader: Any, arch: str) -> float:
+    """Linear RoPE scaling's factor (1: none); any other scaling is refused."""
+    scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    if scaling not in LINEAR_SCALING:
+        raise ModelFileError(f"unsupported rope scaling {scaling!r} (supported: linear)")
+    # llama.cpp reads the factor under its current key, else the older rope.scale_linear
+    factor = _field(reader, f"{arch}.rope.scaling.factor", None) or _field(
+        reader, f"{arch}.rope.scale_linear", 0.0
+    )
+    if float(factor) < 0:
+        raise ModelFileError(f"rope scaling factor {factor} is negative")
+    return float(factor) or 1.0
+
+
+def _local_layers(reader: Any, arch: str, family: Family, n_layers: int) -> dict[str, Any]:
+    """The sliding-window fields of the config. Families without local layers ignore a window key,
+    as llama.cpp does for them (Qwen 2 files may carry one that their models never enable)."""
+    if not family.sliding:
+        return {}
+    window = int(_field(reader, f"{arch}.attention.sliding_window"))
+    if window <= 0:
+        raise ModelFileError(f"{arch}.attention.sliding_window is {window}")
+    # The file's pattern where it has one, else the family's period (Gemma 3 files carry none).
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", family.swa_period)
+    if isinstance(pattern, list):  # one flag per layer, True = local
+        if len(pattern) != n_layers:
+            raise ModelFileError(f"sliding_window_pattern has {len(pattern)} flags for {n_layers} layers")
+        local = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:  # llama.cpp's set_swa_pattern(period): every layer local but each period-th
+        period = int(pattern)
+        local = tuple(i for i in range(n_layers) if period == 0 or i % period < period - 1)
+    return {"sliding_window": window, "local_layers": local, "rope_theta_local": family.rope_theta_local}
 
 
 def _tensor(reader: Any, tensors: dict[str, Any], name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -125,15 +231,23 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w[unpermute_order(w.shape[0], n_heads)]
 
 
+def _elementwise_norms(cfg: ModelConfig) -> tuple[str, ...]:
+    """The per-layer norm weights that act on a product's output, so cannot be folded into a matrix:
+    kept by their GGUF names, stacked over layers ((layers, head_dim) or (layers, d_model))."""
+    qk = ("attn_q_norm", "attn_k_norm") if cfg.qk_norm else ()
+    return qk + (("post_attention_norm", "post_ffw_norm") if cfg.post_norms else ())
+
+
 def read_weights(reader: Any, cfg: ModelConfig) -> PreparedWeights:
     tensors = {t.name: t for t in reader.tensors}
-    permuted = SUPPORTED_ARCHITECTURES[cfg.architecture]["permuted"]
+    permuted = FAMILIES[cfg.architecture].permuted
     d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.q_dim, cfg.kv_dim
 
     def get(name: str, *shape: int) -> np.ndarray:
         return _tensor(reader, tensors, name, tuple(shape))
 
     wqkv, bqkv, wo, wgu, wdown = [], [], [], [], []
+    norms: dict[str, list[np.ndarray]] = {name: [] for name in _elementwise_norms(cfg)}
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         wq, wk, wv = (
@@ -156,6 +270,8 @@ def read_weights(reader: Any, cfg: ModelConfig) -> PreparedWeights:
         gate, up = get(p + "ffn_gate.weight", f, d), get(p + "ffn_up.weight", f, d)
         wgu.append(np.concatenate([gate, up]).T * ffn_norm[:, None])
         wdown.append(get(p + "ffn_down.weight", d, f).T)
+        for name in _elementwise_norms(cfg):
+            norms[name].append(get(p + f"{name}.weight", cfg.head_dim if name.startswith("attn_") else d))
 
     weights: PreparedWeights = {
         "embed": get("token_embd.weight", cfg.vocab_size, d),
@@ -167,6 +283,7 @@ def read_weights(reader: Any, cfg: ModelConfig) -> PreparedWeights:
     }
     if cfg.qkv_bias:
         weights["bqkv"] = np.stack(bqkv)
+    weights |= {name: np.stack(rows) for name, rows in norms.items()}
     if not cfg.tied_embeddings:
         weights["head"] = get("output.weight", cfg.vocab_size, d)
     if cfg.rope_freq_factors:

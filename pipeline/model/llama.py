@@ -1,9 +1,12 @@
-"""A numpy forward pass for llama-family models, over several sequences at once.
+"""A numpy forward pass for every supported family (`gguf_file.FAMILIES`), over several sequences at once.
 
 `Model.forward` takes a batch of (cache, new tokens) pairs. The rows of all
 sequences go through each weight product together, so the weights are read once per
 step however many sequences are in the batch; attention runs per sequence against its
 own KV cache. A single sequence is the batch of one.
+
+This is the oracle the fast runtimes are measured against, so it stays the plain form of each
+family's block: a sliding window is a mask over the full KV cache, not a ring buffer.
 """
 
 from __future__ import annotations
@@ -88,12 +91,17 @@ class Rope:
     sin: np.ndarray
 
     @classmethod
-    def build(cls, cfg: ModelConfig, freq_factors: np.ndarray | None) -> Rope:
+    def build(cls, cfg: ModelConfig, freq_factors: np.ndarray | None, *, local: bool = False) -> Rope:
+        """The global layers' tables (base `rope_theta`, linear scaling `rope_scale`, the file's
+        frequency divisors), or with `local` the sliding-window layers' (base `rope_theta_local`,
+        unscaled: llama.cpp's rope_freq_scale_train_swa is 1)."""
         half = cfg.head_dim // 2
-        inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+        theta = cfg.rope_theta_local if local else cfg.rope_theta
+        inv_freq = theta ** (-np.arange(half, dtype=np.float64) / half)
         if freq_factors is not None:
             inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
-        angles = np.outer(np.arange(cfg.context_length, dtype=np.float64), inv_freq)
+        positions = np.arange(cfg.context_length, dtype=np.float64) / (1.0 if local else cfg.rope_scale)
+        angles = np.outer(positions, inv_freq)
         return cls(np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
 
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -112,6 +120,21 @@ def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU with the tanh approximation (Gemma's GeGLU gate), in float32."""
+    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def head_normalize(heads: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """QK-norm: RMS norm of each head (rows, heads, head_dim) of Q and K, times its per-head weight."""
+    rows, n, dim = heads.shape
+    return rms_normalize(heads.reshape(rows * n, dim), eps).reshape(rows, n, dim) * weight
 
 
 def softmax_rows(scores: np.ndarray) -> np.ndarray:
@@ -138,6 +161,16 @@ def tree_mask(start: int, parents: np.ndarray) -> np.ndarray:
             sees[r] |= sees[parents[r]]
     visible = np.concatenate([np.ones((rows, start), bool), sees], axis=1)
     return np.where(visible, np.float32(0.0), np.float32(-np.inf))
+
+
+def window_mask(mask: np.ndarray | None, key_positions: np.ndarray, window: int) -> np.ndarray | None:
+    """`mask` (or no mask) with the keys a sliding-window query does not see hidden as well: those at
+    `window` or more positions before it. The queries are the last rows of `key_positions`."""
+    queries = key_positions[key_positions.size - (1 if mask is None else mask.shape[0]) :]
+    far = queries[:, None] - key_positions[None, :] >= window
+    if not far.any():
+        return mask
+    return np.where(far, np.float32(-np.inf), np.float32(0.0) if mask is None else mask)
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
@@ -204,14 +237,25 @@ class Model:
         # Plain ndarray views of the (possibly memory-mapped) arrays, split per layer once:
         # indexing an np.memmap on every step costs more than the norms do.
         self.w = {name: np.asarray(a) for name, a in weights.items()}
+        names = ("wqkv", "bqkv", "wo", "wgu", "wdown", "post_attention_norm", "post_ffw_norm")
         self.layers = [
-            {name: self.w[name][i] for name in ("wqkv", "bqkv", "wo", "wgu", "wdown") if name in self.w}
-            for i in range(cfg.n_layers)
+            {name: self.w[name][i] for name in names if name in self.w} for i in range(cfg.n_layers)
         ]
+        if cfg.qk_norm:  # one weight row per Q head then per K head, as the heads lie in `qkv`
+            for i, lw in enumerate(self.layers):
+                q_norm, k_norm = self.w["attn_q_norm"][i], self.w["attn_k_norm"][i]
+                lw["qk_norm"] = np.concatenate(
+                    [np.tile(q_norm, (cfg.n_heads, 1)), np.tile(k_norm, (cfg.n_kv_heads, 1))]
+                )
         self.tokenizer = tokenizer
         self.embed = self.w["embed"]
         self.head = self.w.get("head", self.embed)
         self.rope = Rope.build(cfg, self.w.get("rope_freqs"))
+        local = Rope.build(cfg, self.w.get("rope_freqs"), local=True) if cfg.local_layers else None
+        self.ropes = [
+            local if local is not None and cfg.is_local(i) else self.rope for i in range(cfg.n_layers)
+        ]
+        self.activation = ACTIVATIONS[cfg.activation]
         # What one decode step reads: every matrix once, the embedding only as the tied head.
         self.step_bytes = sum(int(a.nbytes) for name, a in weights.items() if name != "embed") + (
             int(self.head.nbytes) if cfg.tied_embeddings else 0
@@ -252,28 +296,26 @@ class Model:
             for c, t, shape in zip(caches, ids, shapes, strict=True)
         ])  # fmt: skip
         x = self.w["embed"][np.concatenate(ids)]  # fancy indexing copies: x is ours to update
-        q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
+        if cfg.embed_scale != 1.0:
+            x *= np.float32(cfg.embed_scale)
+        eps = cfg.rms_eps
         # Each sequence's mask depends only on its position and block shape: build it once.
         masks = [
             tree_mask(c.length, shape) if shape is not None
             else causal_mask(c.length, t.size) if t.size > 1 else None
             for c, t, shape in zip(caches, ids, shapes, strict=True)
         ]  # fmt: skip
+        local_masks = masks
+        if cfg.local_layers:
+            keys = [
+                np.arange(c.length + t.size) if shape is None
+                else np.concatenate([np.arange(c.length), c.length + tree_depths(shape)])
+                for c, t, shape in zip(caches, ids, shapes, strict=True)
+            ]  # fmt: skip
+            local_masks = [window_mask(m, k, cfg.sliding_window) for m, k in zip(masks, keys, strict=True)]
         for layer, lw in enumerate(self.layers):
-            qkv = linear(rms_normalize(x, eps), lw["wqkv"])
-            if "bqkv" in lw:
-                qkv += lw["bqkv"]
-            heads = qkv[:, : q_dim + kv_dim].reshape(-1, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
-            heads = self.rope.apply(heads, positions)
-            q, k = heads[:, : cfg.n_heads], heads[:, cfg.n_heads :]
-            v = qkv[:, q_dim + kv_dim :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
-            attn = np.empty((x.shape[0], q_dim), np.float32)
-            for i, cache in enumerate(caches):
-                rows = slice(spans[i], spans[i + 1])
-                attn[rows] = self._attend(cache, layer, q[rows], k[rows], v[rows], masks[i])
-            x += linear(attn, lw["wo"])
-            gate_up = linear(rms_normalize(x, eps), lw["wgu"])
-            x += linear(silu(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], lw["wdown"])
+            layer_masks = local_masks if cfg.is_local(layer) else masks
+            x = self._layer(layer, lw, x, positions, caches, spans, layer_masks)
         for cache, t in zip(caches, ids, strict=True):
             cache.length += t.size
         every = rms_normalize(x, eps) * self.w["out_norm"] if features else None
@@ -284,6 +326,39 @@ class Model:
         if all_logits:
             return [logits[spans[i] : spans[i + 1]] for i in range(len(batch))], found
         return [logits[i : i + 1] for i in range(len(batch))], found
+
+    def _layer(
+        self,
+        layer: int,
+        lw: dict[str, np.ndarray],
+        x: np.ndarray,
+        positions: np.ndarray,
+        caches: list[KVCache],
+        spans: np.ndarray,
+        masks: list[np.ndarray | None],
+    ) -> np.ndarray:
+        """One block over every row of the batch; returns the updated residual stream `x`."""
+        cfg = self.cfg
+        q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_eps
+        qkv = linear(rms_normalize(x, eps), lw["wqkv"])
+        if "bqkv" in lw:
+            qkv += lw["bqkv"]
+        heads = qkv[:, : q_dim + kv_dim].reshape(-1, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
+        if "qk_norm" in lw:
+            heads = head_normalize(heads, lw["qk_norm"], eps)
+        heads = self.ropes[layer].apply(heads, positions)
+        q, k = heads[:, : cfg.n_heads], heads[:, cfg.n_heads :]
+        v = qkv[:, q_dim + kv_dim :].reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+        attn = np.empty((x.shape[0], q_dim), np.float32)
+        for i, cache in enumerate(caches):
+            rows = slice(spans[i], spans[i + 1])
+            attn[rows] = self._attend(cache, layer, q[rows], k[rows], v[rows], masks[i])
+        out = linear(attn, lw["wo"])
+        x += rms_normalize(out, eps) * lw["post_attention_norm"] if cfg.post_norms else out
+        gate_up = linear(rms_normalize(x, eps), lw["wgu"])
+        out = linear(self.activation(gate_up[:, : cfg.d_ff]) * gate_up[:, cfg.d_ff :], lw["wdown"])
+        x += rms_normalize(out, eps) * lw["post_ffw_norm"] if cfg.post_norms else out
+        return x
 
     def _attend(
         self, cache: KVCache, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None
@@ -297,7 +372,7 @@ class Model:
         group = cfg.n_heads // cfg.n_kv_heads
         # (t, heads, d) -> (kv_heads, group * t, d): each kv head serves `group` query heads.
         qg = q.reshape(t, cfg.n_kv_heads, group, cfg.head_dim).transpose(1, 2, 0, 3)
-        qg = qg.reshape(cfg.n_kv_heads, group * t, cfg.head_dim) * np.float32(cfg.head_dim**-0.5)
+        qg = qg.reshape(cfg.n_kv_heads, group * t, cfg.head_dim) * np.float32(cfg.query_scale)
         scores = qg @ cache.k[layer, :, :, :end]
         if mask is not None:
             scores.reshape(cfg.n_kv_heads, group, t, end)[...] += mask
