@@ -20,32 +20,44 @@ import numpy as np
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.fast_products import NativeProducts
-from pipeline.model.llama import KVCache, Rope, batch_parents, validate_batch
-from pipeline.model.native import MAX_PARTS, CLayer, CMatrix, CPart, CScratch, CSequence, row_kernels
+from pipeline.model.llama import batch_parents, validate_batch
+from pipeline.model.native import MAX_PARTS, CAttend, CLayer, CMatrix, CPart, CScratch, CSequence, row_kernels
 from pipeline.model.native_weights import KINDS, NativeMatrix
+from pipeline.model.row_cache import RowCache, layer_slots
 from pipeline.model.tokenizer import Tokenizer
 
 
-class RowCache(KVCache):
-    """The reference's KVCache contract (`length`, `truncate` for rollback, growth by doubling) in
-    the C kernels' layout: keys (n_layers, n_kv, head_dim, stride), values (n_layers, n_kv,
-    stride, head_dim), float32, numpy so the kernels take their addresses directly.
-    """
-
-    def _alloc(self, capacity: int) -> None:
-        c = self.cfg
-        # The transposed keys' row stride: never a multiple of 256 floats, whose rows would all map
-        # to the same cache sets (measured: attention 1.5x slower at a stride of 1024).
-        stride = capacity + 16 if capacity % 256 == 0 else capacity
-        k = np.zeros((c.n_layers, c.n_kv_heads, c.head_dim, stride), np.float32)
-        v = np.zeros((c.n_layers, c.n_kv_heads, stride, c.head_dim), np.float32)
-        if self.length:
-            k[..., : self.length] = self.k[..., : self.length]
-            v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v, self.capacity, self.stride = k, v, capacity, stride
+def rope_table(
+    cfg: ModelConfig, theta: float, scale: float, factors: np.ndarray | None
+) -> tuple[np.ndarray, ...]:
+    """Rotate-half cos and sin (context, head_dim / 2) for base `theta`, inverse frequencies divided
+    by the file's per-frequency factors (Llama 3's rope_freqs) and by a linear scale (positions / scale)."""
+    half = cfg.head_dim // 2
+    inv_freq = theta ** (-np.arange(half, dtype=np.float64) / half) / scale
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, np.float64)
+    angles = np.outer(np.arange(cfg.context_length, dtype=np.float64), inv_freq)
+    return np.ascontiguousarray(np.cos(angles), np.float32), np.ascontiguousarray(np.sin(angles), np.float32)
 
 
-def c_layers(layers: list[dict[str, Any]]) -> ctypes.Array:
+def layer_ropes(cfg: ModelConfig, factors: np.ndarray | None) -> list[tuple[np.ndarray, ...]]:
+    """Each layer's RoPE tables: global layers at `rope_theta` with the linear scale and the file's
+    factors, local (sliding-window) layers at `rope_theta_local` unscaled (llama.cpp's gemma3: the
+    local layers' freq_base_swa / freq_scale_swa = 1). Layers of one kind share one table."""
+    glob = rope_table(cfg, cfg.rope_theta, cfg.rope_scale, factors)
+    if not cfg.local_layers:
+        return [glob] * cfg.n_layers
+    local = rope_table(cfg, cfg.rope_theta_local or cfg.rope_theta, 1.0, None)
+    return [local if cfg.is_local(layer) else glob for layer in range(cfg.n_layers)]
+
+
+def _address(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def c_layers(
+    cfg: ModelConfig, layers: list[dict[str, Any]], ropes: list[tuple[np.ndarray, ...]]
+) -> ctypes.Array:
     """The layers as layers.c's structs, built once: their arrays are memory-mapped and never move."""
 
     def matrix(parts: list[NativeMatrix]) -> CMatrix:
@@ -54,11 +66,14 @@ def c_layers(layers: list[dict[str, Any]]) -> ctypes.Array:
         c_parts = [CPart(m.data.ctypes.data, KINDS[m.kind], m.n_out) for m in parts]
         return CMatrix((CPart * MAX_PARTS)(*c_parts), len(parts), sum(m.n_out for m in parts), parts[0].n_in)
 
+    slots = layer_slots(cfg)
     return (CLayer * len(layers))(*[
-        CLayer(lw["attn_norm"].ctypes.data, lw["ffn_norm"].ctypes.data,
-               lw["bqkv"].ctypes.data if lw["bqkv"] is not None else None,
+        CLayer(lw["attn_norm"].ctypes.data, lw["ffn_norm"].ctypes.data, _address(lw["bqkv"]),
+               _address(lw.get("q_norm")), _address(lw.get("k_norm")), _address(lw.get("post_attn_norm")),
+               _address(lw.get("post_ffw_norm")), cos.ctypes.data, sin.ctypes.data,
+               cfg.sliding_window if local else 0, index,
                matrix(lw["wqkv"]), matrix(lw["wo"]), matrix(lw["wgu"]), matrix(lw["wdown"]))
-        for lw in layers
+        for lw, (cos, sin), (local, index) in zip(layers, ropes, slots, strict=True)
     ])  # fmt: skip
 
 
@@ -78,9 +93,8 @@ class FastModel:
         self.step_bytes = step_bytes
         self.lib = row_kernels()
         self.head_products = NativeProducts(self.lib)
-        rope = Rope.build(cfg, rope_freqs)
-        self.cos, self.sin = np.ascontiguousarray(rope.cos), np.ascontiguousarray(rope.sin)
-        self.c_layers = c_layers(layers) if isinstance(products, NativeProducts) else None
+        self.ropes = layer_ropes(cfg, rope_freqs)
+        self.c_layers = c_layers(cfg, layers, self.ropes) if isinstance(products, NativeProducts) else None
 
     def describe(self) -> str:
         """What this target computes, in one line (bench model, status, audit)."""
@@ -112,6 +126,8 @@ class FastModel:
         spans = np.cumsum([0, *(t.size for t in ids)])
         if inputs is None:
             x = np.ascontiguousarray(self.embed[np.concatenate(ids)], dtype=np.float32)
+            if cfg.embed_scale != 1.0:  # Gemma: sqrt(d_model), in float32 as llama.cpp scales the rows
+                x *= np.float32(cfg.embed_scale)
         else:
             x = np.array(inputs, np.float32, order="C")
         if self.c_layers is not None:
@@ -146,12 +162,15 @@ class FastModel:
                 rows = slice(spans[i], spans[i + 1])
                 self._attend(index, lw, cache, parents, qkv[rows], attn[rows])
             out = mm.apply(mm.prepare(attn), lw["wo"])
+            self._post_norm(out, lw.get("post_attn_norm"))
             lib.add_rms_norm_f32(
                 x.ctypes.data, out.ctypes.data, n, d, lw["ffn_norm"].ctypes.data, eps, h.ctypes.data
             )
             gate_up = mm.apply(mm.prepare(h), lw["wgu"])
-            lib.silu_mul_f32(gate_up.ctypes.data, n, cfg.d_ff, act.ctypes.data)
+            activation = lib.gelu_mul_f32 if cfg.activation == "gelu_tanh" else lib.silu_mul_f32
+            activation(gate_up.ctypes.data, n, cfg.d_ff, act.ctypes.data)
             down = mm.apply(mm.prepare(act), lw["wdown"])
+            self._post_norm(down, lw.get("post_ffw_norm"))
             if index + 1 < len(layers):
                 nxt = layers[index + 1]["attn_norm"].ctypes.data
                 lib.add_rms_norm_f32(x.ctypes.data, down.ctypes.data, n, d, nxt, eps, h.ctypes.data)
@@ -170,13 +189,13 @@ class FastModel:
         c_scratch = CScratch(**{name: base + offset for name, offset in offsets.items()})
         seqs = (CSequence * len(batch))(*[
             CSequence(int(spans[i]), int(spans[i + 1] - spans[i]), cache.length, cache.stride,
-                      cache.k.ctypes.data, cache.v.ctypes.data,
-                      None if parents is None else parents.ctypes.data)
+                      cache.local_stride, cache.base, cache.k.ctypes.data, cache.v.ctypes.data,
+                      cache.local_k.ctypes.data, cache.local_v.ctypes.data, _address(parents))
             for i, (cache, parents) in enumerate(batch)
         ])  # fmt: skip
         self.lib.forward_layers(
             x.ctypes.data, n, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps,
-            self.cos.ctypes.data, self.sin.ctypes.data, self.c_layers, cfg.n_layers, seqs, len(batch),
+            cfg.query_scale, cfg.activation == "gelu_tanh", self.c_layers, cfg.n_layers, seqs, len(batch),
             ctypes.byref(c_scratch),
         )  # fmt: skip
 
@@ -193,16 +212,26 @@ class FastModel:
             total += -(-n * size // 64) * 64
         return offsets, total + 64
 
+    def _post_norm(self, out: np.ndarray, weight: np.ndarray | None) -> None:
+        """Gemma's norm of an attention or feed-forward output before the residual add, in place."""
+        if weight is not None:
+            n, d, eps = out.shape[0], out.shape[1], self.cfg.rms_eps
+            self.lib.rms_norm_f32(out.ctypes.data, n, d, weight.ctypes.data, eps, out.ctypes.data)
+
     def _attend(
         self, index: int, lw: dict[str, Any], cache: RowCache, parents: np.ndarray | None, qkv: np.ndarray,
         out: np.ndarray,
     ) -> None:  # fmt: skip
         """Rotate and store this sequence's new K/V in layer `index` of its cache, attend, write `out`."""
-        cfg, kt, v = self.cfg, cache.k[index], cache.v[index]
-        bias = lw["bqkv"].ctypes.data if lw["bqkv"] is not None else None
-        tree = None if parents is None else parents.ctypes.data
+        cfg = self.cfg
+        kt, v, stride, base = cache.layer_buffers(index)
+        local, _ = cache.slots[index]
+        cos, sin = self.ropes[index]
+        spec = CAttend(_address(lw["bqkv"]), _address(lw.get("q_norm")), _address(lw.get("k_norm")),
+                       cfg.rms_eps, cos.ctypes.data, sin.ctypes.data, cfg.sliding_window if local else 0,
+                       base)  # fmt: skip
         self.lib.rope_attend_f32(
-            qkv.ctypes.data, bias, qkv.shape[0], cache.length, tree, self.cos.ctypes.data,
-            self.sin.ctypes.data, kt.ctypes.data, v.ctypes.data, cache.stride, cfg.n_heads, cfg.n_kv_heads,
-            cfg.head_dim, float(cfg.head_dim**-0.5), out.ctypes.data,
+            qkv.ctypes.data, ctypes.byref(spec), qkv.shape[0], cache.length, _address(parents),
+            kt.ctypes.data, v.ctypes.data, stride, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+            float(cfg.query_scale), out.ctypes.data,
         )  # fmt: skip

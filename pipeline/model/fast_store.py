@@ -24,11 +24,21 @@ from pipeline.model.errors import BackendUnavailable
 from pipeline.model.fast_llama import FastModel
 from pipeline.model.fast_products import NativeProducts
 from pipeline.model.native import row_kernels
-from pipeline.model.native_weights import MATRICES, FileBlocks, NativeMatrix, Parts, pack, read_file_blocks
+from pipeline.model.native_weights import (
+    MATRICES,
+    VECTORS,
+    FileBlocks,
+    NativeMatrix,
+    Parts,
+    pack,
+    read_file_blocks,
+)
 from pipeline.model.sealed import seal_directory, seal_file
 from pipeline.model.store import form_directory, intact, intact_file, load_front, publish
 
-FORMAT_VERSION = 5  # 3: Q8_0 values stored as q + 128; 4: K-quant and Q5 blocks, products in parts; 5: sealed
+# 3: Q8_0 values stored as q + 128; 4: K-quant and Q5 blocks, products in parts; 5: sealed;
+# 6: the families' QK-norm and post-norm vectors (Gemma 3, Qwen 3)
+FORMAT_VERSION = 6
 FORMATS = {"native": ("q8",), "torch": ("int4", "bf16")}
 
 
@@ -46,8 +56,8 @@ def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str,
             meta["matrices"][key].append([matrix.kind, matrix.n_out, matrix.n_in, matrix.exact])
 
     for i, layer in enumerate(blocks.layers):
-        for name in ("attn_norm", "ffn_norm", "bqkv"):
-            if layer[name] is not None:
+        for name in VECTORS:
+            if layer.get(name) is not None:
                 arrays[f"{i}.{name}"] = layer[name]
         for name in MATRICES:
             put(f"{i}.{name}", layer[name])
@@ -75,8 +85,7 @@ def load_native(path: Path) -> FastModel:
                 for index, (kind, n_out, n_in, exact) in enumerate(manifest["matrices"][key])]  # fmt: skip
 
     layers = [
-        {"attn_norm": np.asarray(arrays[f"{i}.attn_norm"]), "ffn_norm": np.asarray(arrays[f"{i}.ffn_norm"]),
-         "bqkv": np.asarray(arrays[f"{i}.bqkv"]) if f"{i}.bqkv" in arrays else None,
+        {"bqkv": None, **{n: np.asarray(arrays[f"{i}.{n}"]) for n in VECTORS if f"{i}.{n}" in arrays},
          **{name: matrix(f"{i}.{name}") for name in MATRICES}}
         for i in range(cfg.n_layers)
     ]  # fmt: skip
@@ -129,7 +138,7 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
             "rope": blocks.rope_freqs,
         }
         flat["layers"] = [
-            {**{n: layer[n] for n in ("attn_norm", "ffn_norm", "bqkv")},
+            {**{n: layer[n] for n in VECTORS if n in layer},
              **{n: torch_matrix(layer[n], weight_format) for n in MATRICES}}
             for layer in blocks.layers
         ]  # fmt: skip

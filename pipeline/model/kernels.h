@@ -8,13 +8,23 @@
  * Below that the work is smaller than waking a thread. */
 #define ROWS_PARALLEL 32
 
+/* A layer's attention: where its K/V live and what it adds to the llama block. */
+typedef struct {
+    const float *bias;           /* the fused projection's bias, or NULL */
+    const float *q_norm, *k_norm; /* per-head RMS-norm weights (hd floats) before RoPE, or NULL */
+    float eps;                   /* the QK-norm's epsilon */
+    const float *cos, *sin;      /* this layer's (context, hd/2) RoPE tables */
+    int window;                  /* 0: every earlier key; else the keys of the last `window` positions */
+    int base;                    /* the position the cache's slot 0 holds (a sliding-window buffer) */
+} AttendSpec;
+
 void rms_norm_f32(const float *x, int rows, int dim, const float *w, float eps, float *out);
 void add_rms_norm_f32(float *x, const float *delta, int rows, int dim, const float *w, float eps, float *out);
 void add_f32(float *x, const float *delta, int n);
 void silu_mul_f32(const float *gate_up, int rows, int ff, float *out);
-void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, const int *parents,
-                     const float *cos, const float *sin, float *kt, float *v, int cap, int n_heads, int n_kv,
-                     int hd, float scale, float *out);
+void gelu_mul_f32(const float *gate_up, int rows, int ff, float *out);
+void rope_attend_f32(const float *qkv, const AttendSpec *a, int rows, int start, const int *parents,
+                     float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out);
 void quantize_q8(const float *x, int rows, int k, int8_t *xq, float *dx, int32_t *sx, int32_t *sh);
 void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, const int32_t *sh, int rows, int k,
                  const uint8_t *w, int kind, int n, float *out, int ldo);

@@ -24,13 +24,20 @@ typedef struct {
 
 typedef struct {
     const float *attn_norm, *ffn_norm, *bias; /* bias: NULL unless the model has a QKV bias */
+    const float *q_norm, *k_norm;             /* per-head QK-norm weights (Gemma 3, Qwen 3), or NULL */
+    const float *post_attn_norm, *post_ffw_norm; /* norms of the two outputs (Gemma 3), or NULL */
+    const float *cos, *sin;                   /* this layer's RoPE tables (local layers have their own) */
+    int window;                               /* 0: a global layer; else its sliding window */
+    int cache_index;                          /* its place among the sequence's global or local layers */
     Matrix qkv, o, gate_up, down;
 } Layer;
 
 typedef struct {
-    int first_row, rows, start, cap; /* its rows in the batch, its cache length, its cache capacity */
-    float *kt, *v;                    /* layer 0 of its cache; layer l is l * n_kv * hd * cap further */
-    const int *parents;               /* NULL for a chain; a token tree's parent rows (rope_attend_f32) */
+    int first_row, rows, start;      /* its rows in the batch, its cache length */
+    int cap, local_cap, base;        /* its buffers' capacities; the position local slot 0 holds */
+    float *kt, *v;                   /* global layer 0 of its cache; layer i is i * n_kv * hd * cap further */
+    float *local_kt, *local_v;       /* the sliding-window layers' buffer, as kt, v with local_cap */
+    const int *parents;              /* NULL for a chain; a token tree's parent rows (rope_attend_f32) */
 } Sequence;
 
 typedef struct {
@@ -48,28 +55,34 @@ static void product(const float *x, int rows, const Matrix *m, Scratch *s, float
                     m->parts[p].n_out, out + column, m->n_out);
 }
 
-/* x (rows, d): embeddings in, the last layer's residual stream out. */
-void forward_layers(float *x, int rows, int d, int ff, int n_heads, int n_kv, int hd, float eps,
-                    const float *cos, const float *sin, const Layer *layers, int n_layers,
-                    const Sequence *seqs, int n_seqs, Scratch *s) {
+/* One sequence's attention in layer L, in the buffer (global or local) the layer's K/V live in. */
+static void attend(const Layer *L, const Sequence *q, const float *qkv, float eps, int n_heads, int n_kv, int hd,
+                   float scale, float *out) {
+    int local = L->window > 0, cap = local ? q->local_cap : q->cap;
+    size_t offset = (size_t)L->cache_index * n_kv * hd * cap;
+    AttendSpec a = {L->bias, L->q_norm, L->k_norm, eps, L->cos, L->sin, L->window, local ? q->base : 0};
+    rope_attend_f32(qkv, &a, q->rows, q->start, q->parents, (local ? q->local_kt : q->kt) + offset,
+                    (local ? q->local_v : q->v) + offset, cap, n_heads, n_kv, hd, scale, out);
+}
+
+/* x (rows, d): embeddings in, the last layer's residual stream out. gelu: GeGLU (else SwiGLU). */
+void forward_layers(float *x, int rows, int d, int ff, int n_heads, int n_kv, int hd, float eps, float scale,
+                    int gelu, const Layer *layers, int n_layers, const Sequence *seqs, int n_seqs, Scratch *s) {
     int q_dim = n_heads * hd, width = (n_heads + 2 * n_kv) * hd;
-    float scale = 1.0f / sqrtf((float)hd);
     rms_norm_f32(x, rows, d, layers[0].attn_norm, eps, s->h);
     for (int l = 0; l < n_layers; l++) {
         const Layer *L = &layers[l];
         product(s->h, rows, &L->qkv, s, s->qkv);
-        for (int i = 0; i < n_seqs; i++) {
-            const Sequence *q = &seqs[i];
-            size_t layer_offset = (size_t)l * n_kv * hd * q->cap;
-            rope_attend_f32(s->qkv + (size_t)q->first_row * width, L->bias, q->rows, q->start, q->parents, cos, sin,
-                            q->kt + layer_offset, q->v + layer_offset, q->cap, n_heads, n_kv, hd, scale,
-                            s->attn + (size_t)q->first_row * q_dim);
-        }
+        for (int i = 0; i < n_seqs; i++)
+            attend(L, &seqs[i], s->qkv + (size_t)seqs[i].first_row * width, eps, n_heads, n_kv, hd, scale,
+                   s->attn + (size_t)seqs[i].first_row * q_dim);
         product(s->attn, rows, &L->o, s, s->out);
+        if (L->post_attn_norm) rms_norm_f32(s->out, rows, d, L->post_attn_norm, eps, s->out);
         add_rms_norm_f32(x, s->out, rows, d, L->ffn_norm, eps, s->h);
         product(s->h, rows, &L->gate_up, s, s->gate_up);
-        silu_mul_f32(s->gate_up, rows, ff, s->act);
+        (gelu ? gelu_mul_f32 : silu_mul_f32)(s->gate_up, rows, ff, s->act);
         product(s->act, rows, &L->down, s, s->out);
+        if (L->post_ffw_norm) rms_norm_f32(s->out, rows, d, L->post_ffw_norm, eps, s->out);
         if (l + 1 < n_layers)
             add_rms_norm_f32(x, s->out, rows, d, layers[l + 1].attn_norm, eps, s->h);
         else

@@ -36,7 +36,7 @@ SIGNATURES = {
     "add_rms_norm_f32": (_P, _P, _I, _I, _P, _F, _P),
     "add_f32": (_P, _P, _I),
     "silu_mul_f32": (_P, _I, _I, _P),
-    "rope_attend_f32": (_P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P),
+    "gelu_mul_f32": (_P, _I, _I, _P),
     "quantize_q8": (_P, _I, _I, _P, _P, _P, _P),
     "gemm_blocks": (_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I),
     "has_vnni": (),
@@ -55,13 +55,22 @@ class CMatrix(ctypes.Structure):
 
 
 class CLayer(ctypes.Structure):
-    _fields_ = (("attn_norm", _P), ("ffn_norm", _P), ("bias", _P), ("qkv", CMatrix), ("o", CMatrix),
-                ("gate_up", CMatrix), ("down", CMatrix))  # fmt: skip
+    _fields_ = (("attn_norm", _P), ("ffn_norm", _P), ("bias", _P), ("q_norm", _P), ("k_norm", _P),
+                ("post_attn_norm", _P), ("post_ffw_norm", _P), ("cos", _P), ("sin", _P), ("window", _I),
+                ("cache_index", _I), ("qkv", CMatrix), ("o", CMatrix), ("gate_up", CMatrix),
+                ("down", CMatrix))  # fmt: skip
 
 
 class CSequence(ctypes.Structure):
-    _fields_ = (("first_row", _I), ("rows", _I), ("start", _I), ("cap", _I), ("kt", _P), ("v", _P),
-                ("parents", _P))  # fmt: skip
+    _fields_ = (("first_row", _I), ("rows", _I), ("start", _I), ("cap", _I), ("local_cap", _I), ("base", _I),
+                ("kt", _P), ("v", _P), ("local_kt", _P), ("local_v", _P), ("parents", _P))  # fmt: skip
+
+
+class CAttend(ctypes.Structure):
+    """kernels.h's AttendSpec: one layer's attention for rope_attend_f32 (the torch backend's loop)."""
+
+    _fields_ = (("bias", _P), ("q_norm", _P), ("k_norm", _P), ("eps", _F), ("cos", _P), ("sin", _P),
+                ("window", _I), ("base", _I))  # fmt: skip
 
 
 class CScratch(ctypes.Structure):
@@ -70,6 +79,7 @@ class CScratch(ctypes.Structure):
     )
 
 
+SIGNATURES["rope_attend_f32"] = (_P, ctypes.POINTER(CAttend), _I, _I, _P, _P, _P, _I, _I, _I, _I, _F, _P)
 SIGNATURES["forward_layers"] = (
     _P,
     _I,
@@ -79,8 +89,8 @@ SIGNATURES["forward_layers"] = (
     _I,
     _I,
     _F,
-    _P,
-    _P,
+    _F,
+    _I,
     ctypes.POINTER(CLayer),
     _I,
     ctypes.POINTER(CSequence),

@@ -192,6 +192,24 @@ def pack(blocks: QuantBlocks, exact: bool = True) -> NativeMatrix:
 
 
 MATRICES = ("wqkv", "wo", "wgu", "wdown")
+# The float32 vectors of a layer: the llama block's two norms and bias (None when absent), then the
+# families' own (Gemma 3 / Qwen 3's per-head QK-norm, Gemma 3's post-norms), absent from the layer's
+# dict when the family has none.
+VECTORS = ("attn_norm", "ffn_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "post_ffw_norm")
+FAMILY_TENSORS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm",
+                  "post_ffw_norm": "post_ffw_norm"}  # fmt: skip
+
+
+def family_vectors(cfg: ModelConfig, read: Any, prefix: str) -> dict[str, np.ndarray]:
+    """A layer's QK-norm and post-norm weights (F32 in the files), read by `read(name, length)`."""
+    lengths = {"q_norm": cfg.head_dim, "k_norm": cfg.head_dim, "post_attn_norm": cfg.d_model,
+               "post_ffw_norm": cfg.d_model}  # fmt: skip
+    wanted = [*(("q_norm", "k_norm") if cfg.qk_norm else ()),
+              *(("post_attn_norm", "post_ffw_norm") if cfg.post_norms else ())]  # fmt: skip
+    return {
+        key: np.ascontiguousarray(read(f"{prefix}{FAMILY_TENSORS[key]}.weight", lengths[key]), np.float32)
+        for key in wanted
+    }
 
 
 Parts = list[tuple[QuantBlocks, bool]]  # a product's weights: (blocks, exact) per run of one kind
@@ -200,7 +218,7 @@ Parts = list[tuple[QuantBlocks, bool]]  # a product's weights: (blocks, exact) p
 class FileBlocks(NamedTuple):
     """Every weight of a file in block form, fused and un-permuted: what both fast backends pack."""
 
-    layers: list[dict[str, Any]]  # attn_norm, ffn_norm (f32), bqkv (f32 or None), and MATRICES as Parts
+    layers: list[dict[str, Any]]  # VECTORS (f32; bqkv may be None), and MATRICES as Parts
     out_norm: np.ndarray
     head: tuple[QuantBlocks, bool]
     rope_freqs: np.ndarray | None
@@ -230,7 +248,7 @@ def fuse_runs(got: Parts) -> Parts:
 
 
 def read_file_blocks(path: Path, cfg: ModelConfig) -> FileBlocks:
-    # 64 lines, over the 60-line limit: one pass over the file's tensors, each name handled in place,
+    # 65 lines, over the 60-line limit: one pass over the file's tensors, each name handled in place,
     # reads better than the same pass split across helpers that would share its locals.
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -283,6 +301,7 @@ def read_file_blocks(path: Path, cfg: ModelConfig) -> FileBlocks:
             "wo": matrix([(p + "attn_output.weight", d, None)], q),
             "wgu": matrix([(p + "ffn_gate.weight", f, None), (p + "ffn_up.weight", f, None)], d),
             "wdown": matrix([(p + "ffn_down.weight", d, None)], f),
+            **family_vectors(cfg, f32, p),
         })  # fmt: skip
     head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     (head,) = matrix([(head_name, cfg.vocab_size, None)], d)

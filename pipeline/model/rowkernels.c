@@ -117,6 +117,21 @@ void silu_mul_f32(const float *gate_up, int rows, int ff, float *out) {
     }
 }
 
+/* gate_up (rows, 2 ff) -> gelu_tanh(gate) * up (rows, ff), Gemma's GeGLU. 0.5 x (1 + tanh(u)) is
+ * x sigmoid(2u) exactly, so it is the SiLU's form with u = sqrt(2/pi) (x + 0.044715 x^3): the same
+ * branch-free exp for every element, in a vector lane or the scalar tail. */
+void gelu_mul_f32(const float *gate_up, int rows, int ff, float *out) {
+#pragma omp parallel for schedule(static) if (rows >= ROWS_PARALLEL)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (size_t)r * 2 * ff, *u = g + ff;
+        float *o = out + (size_t)r * ff;
+        for (int i = 0; i < ff; i++) {
+            float x = g[i], t = -1.5957691216057308f * (x + 0.044715f * (x * x * x));
+            o[i] = x / (1.0f + exp_rowinv(t)) * u[i];
+        }
+    }
+}
+
 /* Rotate-half RoPE of one head in place, at a position's cos/sin row. */
 static void rope_head(float *v, const float *cos, const float *sin, int hd) {
     int half = hd / 2;
@@ -274,75 +289,104 @@ static void attend_group(const float *q, int G, const float *kt, const float *v,
     for (int g = 0; g < G; g++) free(scores[g]);
 }
 
+/* One head in place: RMS-normed with weight w (if any), then rotated. The same instructions for
+ * every row, whatever the block: the norm's sum is rms_inverse's lane order over head_dim. */
+static void norm_rope_head(float *x, const float *w, float eps, float *sq, const float *c, const float *s, int hd) {
+    if (w != NULL) {
+        float inv = rms_inverse(x, hd, eps, sq);
+        for (int i = 0; i < hd; i++) x[i] = x[i] * inv * w[i];
+    }
+    rope_head(x, c, s, hd);
+}
+
+/* Row r's bias, QK-norm and RoPE: its queries (scaled) into q, its K/V into slot `slot`. */
+static void project_row(const float *src_in, const AttendSpec *a, int pos, int slot, float *q, float *kt,
+                        float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *row, float *sq) {
+    int half = hd / 2, width = (n_heads + 2 * n_kv) * hd;
+    for (int i = 0; i < width; i++) row[i] = src_in[i] + (a->bias ? a->bias[i] : 0.0f);
+    const float *c = a->cos + (size_t)pos * half, *s = a->sin + (size_t)pos * half;
+    for (int h = 0; h < n_heads; h++) {
+        float *qh = q + (size_t)h * hd;
+        for (int i = 0; i < hd; i++) qh[i] = row[h * hd + i];
+        norm_rope_head(qh, a->q_norm, a->eps, sq, c, s, hd);
+        for (int i = 0; i < hd; i++) qh[i] *= scale;
+    }
+    for (int h = 0; h < n_kv; h++) {
+        float *kh = row + (size_t)(n_heads + h) * hd;
+        norm_rope_head(kh, a->k_norm, a->eps, sq, c, s, hd);
+        for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + slot] = kh[i];
+        for (int i = 0; i < hd; i++) v[((size_t)h * cap + slot) * hd + i] = row[(n_heads + n_kv + h) * hd + i];
+    }
+}
+
 /* One sequence's causal GQA attention for one layer.
  *
- * qkv: (rows, (n_heads + 2 n_kv) hd), the fused projection; bias: its bias or NULL. cos/sin:
- * (context, hd/2) tables. scale: 1/sqrt(hd). out: (rows, n_heads hd). kt: (n_kv, hd, cap), keys
- * transposed; v: (n_kv, cap, hd).
+ * qkv: (rows, (n_heads + 2 n_kv) hd), the fused projection. scale: the query scale. out: (rows,
+ * n_heads hd). kt: (n_kv, hd, cap), keys transposed; v: (n_kv, cap, hd); slot s holds position
+ * a->base + s (base 0 but in a sliding-window layer's buffer, row_cache.py).
  *
- * parents NULL: a chain. Row r sits at position start + r; its K/V are rotated and written into
- * slot start + r, and it attends to slots 0..start+r.
+ * parents NULL: a chain. Row r sits at position start + r; its K/V are rotated and written at
+ * position start + r, and it attends to positions lo..start+r, lo = 0, or in a windowed layer
+ * max(0, start + r - window + 1).
  * parents given: a token tree. parents[r] is the row r descends from (-1: from the cache, and
- * parents[r] < r). Row r sits at position start + depth(r) and writes slot start + r; it attends
- * to slots 0..start-1, then its ancestors' slots from the root down, then its own. Those are the
- * keys, in the order, that a chain through the same tokens gives that row, so a tree row's values
- * are bit for bit the chain's (tests/test_tree_attention.py).
+ * parents[r] < r). Row r sits at position start + depth(r) and writes at start + r; it attends
+ * to positions lo..start-1, then its ancestors' slots from the root down (those at depth >=
+ * lo - start), then its own. Those are the keys, in the order, that a chain through the same
+ * tokens gives that row, so a tree row's values are bit for bit the chain's
+ * (tests/test_tree_attention.py).
+ * Every key list is handed to attend_group from its first position lo, so the 32-key blocks and
+ * the lanes of the sums are fixed by the positions alone, never by `base` or the block: a row's
+ * bits do not depend on whether a window buffer was compacted.
  */
-void rope_attend_f32(const float *qkv, const float *bias, int rows, int start, const int *parents,
-                     const float *cos, const float *sin, float *kt, float *v, int cap, int n_heads, int n_kv,
-                     int hd, float scale, float *out) {
-    int half = hd / 2, group = n_heads / n_kv, width = (n_heads + 2 * n_kv) * hd;
+void rope_attend_f32(const float *qkv, const AttendSpec *a, int rows, int start, const int *parents,
+                     float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out) {
+    int group = n_heads / n_kv, width = (n_heads + 2 * n_kv) * hd;
     float *q = malloc(sizeof(float) * (size_t)rows * n_heads * hd);
     int *depth = malloc(sizeof(int) * (size_t)rows);
     for (int r = 0; r < rows; r++) depth[r] = parents == NULL ? r : (parents[r] < 0 ? 0 : depth[parents[r]] + 1);
 #pragma omp parallel if (rows >= ROWS_PARALLEL)
     {
-        float *kv = malloc(sizeof(float) * hd), *row = malloc(sizeof(float) * width);
+        float *row = malloc(sizeof(float) * width), *sq = malloc(sizeof(float) * hd);
 #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++) {
-            int pos = start + depth[r], slot = start + r;
-            for (int i = 0; i < width; i++) row[i] = qkv[(size_t)r * width + i] + (bias ? bias[i] : 0.0f);
-            const float *src = row;
-            const float *c = cos + (size_t)pos * half, *s = sin + (size_t)pos * half;
-            for (int h = 0; h < n_heads; h++) {
-                float *qh = q + ((size_t)r * n_heads + h) * hd;
-                for (int i = 0; i < hd; i++) qh[i] = src[h * hd + i];
-                rope_head(qh, c, s, hd);
-                for (int i = 0; i < hd; i++) qh[i] *= scale;
-            }
-            for (int h = 0; h < n_kv; h++) {
-                for (int i = 0; i < hd; i++) kv[i] = src[(n_heads + h) * hd + i];
-                rope_head(kv, c, s, hd);
-                for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + slot] = kv[i];
-                for (int i = 0; i < hd; i++)
-                    v[((size_t)h * cap + slot) * hd + i] = src[(n_heads + n_kv + h) * hd + i];
-            }
-        }
-        free(kv);
+        for (int r = 0; r < rows; r++)
+            project_row(qkv + (size_t)r * width, a, start + depth[r], start + r - a->base,
+                        q + (size_t)r * n_heads * hd, kt, v, cap, n_heads, n_kv, hd, scale, row, sq);
+        free(sq);
         free(row);
     }
-    /* A tree row's tail: the slots of its path from the root, root first (rows x rows ints). */
-    int *paths = NULL;
+    /* Each row's first visible position; a tree row's tail: the slots of its path from the first
+     * visible ancestor (root first) down to itself, as offsets from that first position. */
+    int *lo = malloc(sizeof(int) * (size_t)rows), *paths = NULL, *skip = NULL;
+    for (int r = 0; r < rows; r++) {
+        int pos = start + depth[r];
+        lo[r] = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+    }
     if (parents != NULL) {
         paths = malloc(sizeof(int) * (size_t)rows * rows);
-        for (int r = 0; r < rows; r++)
-            for (int a = r, d = depth[r]; a >= 0; a = parents[a], d--) paths[(size_t)r * rows + d] = start + a;
+        skip = malloc(sizeof(int) * (size_t)rows);
+        for (int r = 0; r < rows; r++) {
+            skip[r] = lo[r] > start ? lo[r] - start : 0;
+            for (int x = r, d = depth[r]; x >= 0; x = parents[x], d--) paths[(size_t)r * rows + d] = start + x - lo[r];
+        }
     }
     int units = n_kv * rows;
     size_t work = (size_t)units * group * (start + rows) * hd;
 #pragma omp parallel for schedule(static) if (units > 1 && work > 32768)
     for (int unit = 0; unit < units; unit++) {
-        int h = unit % n_kv, r = unit / n_kv;
-        int n = paths ? start : start + r + 1, n_tail = paths ? depth[r] + 1 : 0;
-        const int *tail = paths ? paths + (size_t)r * rows : NULL;
+        int h = unit % n_kv, r = unit / n_kv, first = lo[r] - a->base;
+        int n = paths ? (start > lo[r] ? start - lo[r] : 0) : start + r + 1 - lo[r];
+        int n_tail = paths ? depth[r] + 1 - skip[r] : 0;
+        const int *tail = paths ? paths + (size_t)r * rows + skip[r] : NULL;
         for (int g0 = 0; g0 < group; g0 += MAX_GROUP) {
             int G = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP, head = h * group + g0;
-            attend_group(q + ((size_t)r * n_heads + head) * hd, G, kt + (size_t)h * hd * cap,
-                         v + (size_t)h * cap * hd, n, tail, n_tail, cap, hd,
+            attend_group(q + ((size_t)r * n_heads + head) * hd, G, kt + (size_t)h * hd * cap + first,
+                         v + ((size_t)h * cap + first) * hd, n, tail, n_tail, cap, hd,
                          out + ((size_t)r * n_heads + head) * hd);
         }
     }
+    free(skip);
     free(paths);
+    free(lo);
     free(depth);
     free(q);
 }

@@ -1,0 +1,161 @@
+"""The fast runtime's KV cache: the reference's KVCache contract in the C kernels' layout, with the
+sliding-window layers (Gemma 3's local layers) keeping only their window.
+
+Global layers keep every position in one buffer that grows with the sequence. Local layers, whose
+query at position i reads only keys i - window + 1 .. i, keep positions [base, length) in a
+buffer of their own: when `reserve` runs out of room there it first drops what no query will read
+again (positions before length - (window - 1) - WINDOW_MARGIN) by moving the kept tail to the
+front, so a long context costs the window there, not the history. The kernels index that buffer
+by position - base and start every key list at the window's first position, so a row's bits never
+depend on whether, or where, the buffer was compacted.
+
+WINDOW_MARGIN is how far behind the newest reserve a rollback may go and still find its keys:
+the deepest rollback the decoders make is a rejected verify block or a model drafter's k drafts,
+at most K_LIMIT (32, `decoding.adaptive`) tokens plus the pending one; twice that is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.llama import KVCache
+
+WINDOW_MARGIN = 64
+
+
+def _stride(capacity: int) -> int:
+    """The transposed keys' row stride: never a multiple of 256 floats, whose rows would all map to
+    the same cache sets (measured: attention 1.5x slower at a stride of 1024)."""
+    return capacity + 16 if capacity % 256 == 0 else capacity
+
+
+def windowed(cfg: ModelConfig) -> bool:
+    """Whether the model has local layers whose window is shorter than its context."""
+    return bool(cfg.local_layers) and 0 < cfg.sliding_window < cfg.context_length
+
+
+def layer_slots(cfg: ModelConfig) -> list[tuple[bool, int]]:
+    """Each layer's place in a RowCache: (in the local buffer, its index among its buffer's layers)."""
+    local = [windowed(cfg) and cfg.is_local(layer) for layer in range(cfg.n_layers)]
+    return [(is_local, sum(local[:layer]) if is_local else layer - sum(local[:layer]))
+            for layer, is_local in enumerate(local)]  # fmt: skip
+
+
+class RowCache(KVCache):
+    """keys (layers, n_kv, head_dim, stride), values (layers, n_kv, stride, head_dim), float32, numpy
+    so the kernels take their addresses directly; `k`/`v` hold the global layers, `local_k`/`local_v`
+    the sliding-window layers (none when the model has none), slot s there holding position base + s.
+    """
+
+    def __init__(self, cfg: ModelConfig, capacity: int = 256) -> None:
+        self.window = cfg.sliding_window if windowed(cfg) else 0
+        self.slots = layer_slots(cfg)
+        self.n_local = sum(local for local, _ in self.slots)
+        self.base, self.local_capacity, self.local_stride = 0, 0, 0
+        self.local_k = self.local_v = np.zeros((0, cfg.n_kv_heads, cfg.head_dim, 1), np.float32)
+        super().__init__(cfg, capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        c, n_global = self.cfg, self.cfg.n_layers - self.n_local
+        stride = _stride(capacity)
+        k = np.zeros((n_global, c.n_kv_heads, c.head_dim, stride), np.float32)
+        v = np.zeros((n_global, c.n_kv_heads, stride, c.head_dim), np.float32)
+        if self.length:
+            k[..., : self.length] = self.k[..., : self.length]
+            v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v, self.capacity, self.stride = k, v, capacity, stride
+        if self.n_local and self.local_capacity == 0:
+            self._alloc_local(min(capacity, self.window + WINDOW_MARGIN), 0)
+
+    def _alloc_local(self, capacity: int, keep_from: int) -> None:
+        """A local buffer of `capacity` slots holding positions [keep_from, length) from slot 0."""
+        c, stride = self.cfg, _stride(capacity)
+        k = np.zeros((self.n_local, c.n_kv_heads, c.head_dim, stride), np.float32)
+        v = np.zeros((self.n_local, c.n_kv_heads, stride, c.head_dim), np.float32)
+        held = slice(keep_from - self.base, self.length - self.base)
+        if held.stop > held.start:
+            k[..., : held.stop - held.start] = self.local_k[..., held]
+            v[:, :, : held.stop - held.start] = self.local_v[:, :, held]
+        self.local_k, self.local_v, self.local_capacity, self.local_stride = k, v, capacity, stride
+        self.base = keep_from
+
+    def reserve(self, length: int) -> None:
+        super().reserve(length)
+        if not self.n_local or length - self.base <= self.local_capacity:
+            return
+        keep_from = max(self.base, self.length - (self.window - 1) - WINDOW_MARGIN)
+        held = self.length - keep_from
+        if length - keep_from <= self.local_capacity:  # compact in place: the kept tail to the front
+            self.local_k[..., :held] = self.local_k[..., keep_from - self.base : self.length - self.base]
+            self.local_v[:, :, :held] = self.local_v[:, :, keep_from - self.base : self.length - self.base]
+            self.base = keep_from
+            return
+        # Room for the window, the margin and as much again, so a compaction moves about one position
+        # per token decoded; a forward of more rows (a prefill chunk) gets what it needs.
+        steady = 2 * (self.window + WINDOW_MARGIN)
+        self._alloc_local(max(length - keep_from, min(2 * self.local_capacity, steady)), keep_from)
+
+    def first_needed(self, length: int) -> int:
+        """The first position a query at `length` reads in the local layers."""
+        return max(0, length - (self.window - 1)) if length else 0
+
+    def truncate(self, length: int) -> None:
+        if self.n_local and 0 <= length <= self.length:
+            if length == 0:
+                self.base = 0
+            elif self.base > self.first_needed(length):
+                raise ValueError(
+                    f"cannot roll a sliding-window cache of {self.length} tokens back to {length}: its local "
+                    f"layers hold positions from {self.base} on, and position {length} reads from "
+                    f"{self.first_needed(length)} (a rollback may go {WINDOW_MARGIN} positions behind the "
+                    f"last reserve)"
+                )
+        super().truncate(length)
+
+    def lends(self, length: int) -> bool:
+        """Whether `adopt(self, length)` can copy positions [0, length): a local buffer that has
+        dropped keys position `length` reads cannot (the caller prefills instead)."""
+        return 0 <= length <= self.length and (not self.n_local or self.base <= self.first_needed(length))
+
+    def adopt(self, source: KVCache, length: int) -> None:
+        """The reference's `adopt` (a prompt prefix another sequence computed), for both buffers;
+        ValueError when `source`'s local layers no longer hold what position `length` reads."""
+        if not isinstance(source, RowCache) or source.cfg != self.cfg:
+            raise ValueError("a cache adopts positions only from a cache of the same fast model")
+        if not source.lends(length):
+            raise ValueError(
+                f"cannot adopt {length} positions of a cache of {source.length} whose local layers hold "
+                f"positions from {source.base} on"
+            )
+        self.length = self.base = 0
+        KVCache.reserve(self, length)  # the global buffer; the local one is laid out here
+        self.k[..., :length] = source.k[..., :length]
+        self.v[:, :, :length] = source.v[:, :, :length]
+        if self.n_local:
+            keep_from = max(source.base, length - (self.window - 1) - WINDOW_MARGIN, 0)
+            if length - keep_from > self.local_capacity:
+                self._alloc_local(length - keep_from, 0)
+            self.base = keep_from
+            held = slice(keep_from - source.base, length - source.base)
+            self.local_k[..., : length - keep_from] = source.local_k[..., held]
+            self.local_v[:, :, : length - keep_from] = source.local_v[:, :, held]
+        self.length = length
+
+    def keep(self, start: int, slots: Sequence[int]) -> None:
+        """The reference's tree compaction, in both buffers (a local slot is position - base)."""
+        super().keep(start, slots)
+        if self.n_local:
+            rows = np.asarray(slots, dtype=np.int64)
+            at = start - self.base
+            self.local_k[..., at : at + rows.size] = self.local_k[..., at + rows]
+            self.local_v[:, :, at : at + rows.size] = self.local_v[:, :, at + rows]
+
+    def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Layer `layer`'s keys and values, its buffer's stride and the position its slot 0 holds."""
+        local, index = self.slots[layer]
+        if local:
+            return self.local_k[index], self.local_v[index], self.local_stride, self.base
+        return self.k[index], self.v[index], self.stride, 0
