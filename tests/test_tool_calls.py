@@ -18,6 +18,7 @@ import pytest
 from pipeline.api import chat, tool_calls, tools
 from pipeline.api.errors import ApiError
 from pipeline.decoding.grammar.compiler import bound_tokenizer
+from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.result import Result
 from pipeline.protocol.messages import Chunk
 
@@ -101,7 +102,8 @@ def test_tool_choice_makes_the_plan():
          "tools"),
         ({"tools": [WEATHER], "functions": [WEATHER["function"]]}, "functions"),
         ({"functions": [WEATHER["function"]], "function_call": "required"}, "function_call"),
-        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [WEATHER], "response_format": {"type": "grammar", "grammar": 'start: "x"'}},
+         "response_format"),
         ({"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f"}}]},
          "messages.0.function_call"),
     ],
@@ -160,8 +162,8 @@ def test_tools_and_tool_turns_reach_the_template_as_plain_messages():
 def matcher(tiny_tokenizer):
     bound = bound_tokenizer(tiny_tokenizer)
 
-    def accepts(plan: tools.ToolPlan, text: str) -> bool:
-        source = llguidance.grammar_from("grammar", tool_calls.grammar(plan))
+    def accepts(plan: tools.ToolPlan, text: str, answer: dict | None = None) -> bool:
+        source = llguidance.grammar_from("grammar", tool_calls.grammar(plan, answer))
         assert not llguidance.LLMatcher.validate_grammar(source, bound)
         m = llguidance.LLMatcher(bound, source, log_level=0)
         return all(m.consume_token(t) for t in tiny_tokenizer.encode(text)) and m.is_accepting()
@@ -194,6 +196,22 @@ def test_an_answer_holds_at_most_max_calls(matcher):
     time = tool_calls.call_text("get_time", "{}")
     assert matcher(required, tool_calls.SEP.join([time] * tool_calls.MAX_CALLS))
     assert not matcher(required, tool_calls.SEP.join([time] * (tool_calls.MAX_CALLS + 1)))
+
+
+def test_a_json_format_is_the_text_answer_beside_the_calls(matcher):
+    """tool_choice auto with a response_format: calls, or JSON the format allows, nothing else."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    asked = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    submit = chat.to_submit(chat.decode(body(tools=[WEATHER], response_format=asked)), MODEL)
+    source = json.loads(submit.params.response_format)["grammar"]
+    auto = plan_of(tools=[WEATHER, TIME])
+    assert source == tool_calls.grammar(plan_of(tools=[WEATHER]), schema)
+    answer = tool_calls.answer_schema(canonical_response_format(asked), "response_format")
+    assert matcher(auto, CALL, answer) and matcher(auto, TWO_CALLS, answer)
+    assert matcher(auto, '{"answer": "Sunny"}', answer)
+    assert not matcher(auto, '{"reply": "Sunny"}', answer) and not matcher(auto, "Sunny.", answer)
+    any_object = tool_calls.answer_schema('{"type":"json_object"}', "response_format")
+    assert matcher(auto, '{"reply": "Sunny"}', any_object) and not matcher(auto, "[1]", any_object)
 
 
 ODD = tool_calls.call_text("get_weather", '{"city": "}\\"{[", "unit": "celsius"}')  # braces in a string

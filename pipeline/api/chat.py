@@ -92,15 +92,15 @@ def to_submit(
 
 
 def _output_format(req: ChatRequest, plan: tools.ToolPlan | None) -> str | None:
-    """The grammar the answer follows: the tool calls' (api/tool_calls.py) where it may call,
-    else the request's response_format."""
+    """The grammar the answer follows: the tool calls' (api/tool_calls.py) where it may call, with
+    the request's JSON response_format as the text answer's, else the request's response_format."""
     asked = core.response_format(req.response_format)
     if plan is None or not plan.calls:
         return asked
-    if asked is not None:
-        message = "response_format cannot constrain an answer that may call tools; give tool_choice none"
-        raise ApiError(400, message, param="response_format")
-    return core.response_format({"type": "grammar", "grammar": tool_calls.grammar(plan)}, _tools_param(plan))
+    answer = tool_calls.answer_schema(asked, "response_format")
+    return core.response_format(
+        {"type": "grammar", "grammar": tool_calls.grammar(plan, answer)}, _tools_param(plan)
+    )
 
 
 class ChatFormatter(core.Formatter):

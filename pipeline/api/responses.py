@@ -160,8 +160,8 @@ def tool_plan(req: ResponsesRequest) -> tools.ToolPlan | None:
 
 
 def _output_format(req: ResponsesRequest, plan: tools.ToolPlan | None) -> str | None:
-    """text.format (its json_schema spelling has the schema's fields at the top) or the tool calls'
-    grammar; not both, as for chat."""
+    """text.format (its json_schema spelling has the schema's fields at the top), or the tool calls'
+    grammar with it as the text answer's, as for chat."""
     spec = req.text.format if req.text is not None else None
     if spec is not None and spec.get("type") == "json_schema":
         inner = {k: spec[k] for k in ("name", "schema", "strict") if k in spec}
@@ -169,10 +169,8 @@ def _output_format(req: ResponsesRequest, plan: tools.ToolPlan | None) -> str | 
     asked = core.response_format(spec, "text.format")
     if plan is None or not plan.calls:
         return asked
-    if asked is not None:
-        message = "text.format cannot constrain an answer that may call tools; give tool_choice none"
-        raise ApiError(400, message, param="text.format")
-    return core.response_format({"type": "grammar", "grammar": tool_calls.grammar(plan)}, "tools")
+    answer = tool_calls.answer_schema(asked, "text.format")
+    return core.response_format({"type": "grammar", "grammar": tool_calls.grammar(plan, answer)}, "tools")
 
 
 def _messages(req: ResponsesRequest) -> list[ChatMessage]:

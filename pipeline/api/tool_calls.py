@@ -20,8 +20,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.api.errors import ApiError
 from pipeline.api.tools import FunctionDef, ToolPlan, arguments_schema
 from pipeline.decoding.grammar.compiler import JSON_OPTIONS
+from pipeline.decoding.grammar.format import parse_response_format
 from pipeline.observability.request_ids import request_key
 
 OPEN = '<tool_call>\n{"name": "'
@@ -47,16 +49,33 @@ def _rule(function: FunctionDef, index: int) -> list[str]:
     return [f"call_{index}: {head} args_{index} {tail}", f"args_{index}: %json {json.dumps(schema)}"]
 
 
-def grammar(plan: ToolPlan) -> str:
+def grammar(plan: ToolPlan, answer: dict[str, Any] | None = None) -> str:
     """The Lark grammar (llguidance's dialect) of an answer under `plan`: calls of the allowed
     functions (one, or up to MAX_CALLS when parallel), or, for tool_choice auto, text that does not
-    start like a call."""
+    start like a call: JSON valid against `answer` where the request's response_format gives a schema."""
     rules = [line for i, function in enumerate(plan.allowed) for line in _rule(function, i)]
     call = " | ".join(f"call_{i}" for i in range(len(plan.allowed)))
     calls = f"call ({json.dumps(SEP)} call){{0,{MAX_CALLS - 1}}}" if plan.parallel else "call"
-    start = "calls | TEXT" if plan.choice == "auto" else "calls"
-    text = f"TEXT: /(?s:.+)/ & ~/{START}(?s:.*)/"  # any text that is not a call's start
-    return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {call}", *rules, text]) + "\n"
+    if plan.choice != "auto":
+        start, other = "calls", []
+    elif answer is not None:  # JSON starts with "{", never like a call
+        schema = json.dumps(answer | {"x-guidance": JSON_OPTIONS})
+        start, other = "calls | answer", [f"answer: %json {schema}"]
+    else:
+        start, other = "calls | TEXT", [f"TEXT: /(?s:.+)/ & ~/{START}(?s:.*)/"]  # text that is not a call
+    return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {call}", *rules, *other]) + "\n"
+
+
+def answer_schema(response_format: str | None, param: str) -> dict[str, Any] | None:
+    """The schema a text answer beside tool calls follows: the request's json_schema, any object for
+    json_object, None for free text. A grammar cannot be joined to the calls' grammar: a 400."""
+    fmt = parse_response_format(response_format)
+    if fmt is None:
+        return None
+    if fmt.kind == "grammar":
+        message = f"{param} of type grammar cannot be combined with callable tools; give tool_choice none"
+        raise ApiError(400, message, param=param)
+    return dict(fmt.schema) if fmt.kind == "json_schema" else {"type": "object"}
 
 
 @dataclass
