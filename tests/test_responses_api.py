@@ -95,6 +95,8 @@ def test_responses_text_format_is_structured_output(answering):
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"max_output_tokens": 2**31}, "max_output_tokens"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include"),
     ],
 )  # fmt: skip
 def test_what_the_responses_api_cannot_do_is_a_400_naming_it(fields, param):
@@ -104,3 +106,13 @@ def test_what_the_responses_api_cannot_do_is_a_400_naming_it(fields, param):
         )
     assert caught.value.status == 400 and caught.value.param == param, caught.value.message
     assert responses.to_submit(responses.decode(json.dumps({"input": "hi", "store": False}).encode()), MODEL)
+
+
+def test_responses_logprobs_are_asked_by_include_or_top_logprobs():
+    def logprobs(**fields: object) -> int | None:
+        body = json.dumps({"model": MODEL, "input": "hi", **fields}).encode()
+        return responses.to_submit(responses.decode(body), MODEL).params.logprobs
+
+    assert logprobs() is None and logprobs(top_logprobs=0) is None
+    assert logprobs(include=["message.output_text.logprobs"]) == 0
+    assert logprobs(include=["message.output_text.logprobs"], top_logprobs=3) == logprobs(top_logprobs=3) == 3

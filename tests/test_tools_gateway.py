@@ -176,6 +176,30 @@ def test_responses_create_whole_and_streamed(client, model):
     assert item.type == "function_call" and valid(item.name, item.arguments)
 
 
+def test_responses_logprobs_are_chats_whole_and_streamed(client, model):
+    """`include` with `top_logprobs`: each output_text holds its tokens' entries, the same ones chat
+    gives the same conversation (the same prompt, greedy), and a stream's deltas carry them all."""
+    asked = {"model": model, "temperature": 0, "top_logprobs": 2}
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, logprobs=True, **asked
+    )
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    fields = {"input": "Name a colour.", "max_output_tokens": 6, "include": ["message.output_text.logprobs"]}
+    whole = client.responses.create(**fields, **asked)
+    part = whole.output[0].content[0]
+    assert [entry.model_dump() for entry in part.logprobs] == expected
+    assert len(expected) == whole.usage.output_tokens and all(len(e["top_logprobs"]) == 2 for e in expected)
+    events = list(client.responses.create(**fields, **asked, stream=True))
+    deltas = [
+        entry.model_dump() for e in events if e.type == "response.output_text.delta" for entry in e.logprobs
+    ]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [entry.model_dump() for entry in done.logprobs] == expected
+    assert (
+        deltas == expected[: len(deltas)] and len(deltas) >= len(expected) - 1
+    )  # the EOS entry may add no text
+
+
 # --- LangChain ------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ piece, then `.done` events in reverse order. A tool call is a `function_call` it
 `response.function_call_arguments.delta` pieces, the arguments' `.done`, the item's `.done`. The
 stream ends with `response.completed` (`response.incomplete` when max_output_tokens cut it), or an
 `error` event when the pipeline failed. Each event is `event: <type>` and `data: <json>` with a
-`sequence_number`, as OpenAI's; there is no `[DONE]`.
+`sequence_number`, as OpenAI's; there is no `[DONE]`. Where the request asked for logprobs, each
+text delta carries its tokens' entries and the output_text part holds them all (chat's entry shape).
 """
 
 from __future__ import annotations
@@ -40,17 +41,21 @@ class Echo:
     parallel_tool_calls: bool = True
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     metadata: dict[str, str] = field(default_factory=dict)
+    top_logprobs: int | None = None
 
 
 class ResponseFormatter(core.Formatter):
     """One response's object and events. The output items are built as the answer streams (and
     from the whole answer, the same way, for a response that is not streamed)."""
 
+    chat_logprobs = True  # the Responses API's entries are chat's: token, logprob, bytes, top_logprobs
+
     def __init__(
         self, request_id: str, model: str, created: int, prompt_tokens: int, *, echo: Echo,
-        plan: ToolPlan | None = None,
+        plan: ToolPlan | None = None, logprobs: bool = False,
     ) -> None:  # fmt: skip
-        super().__init__(RESPONSE_PREFIXES["responses"] + request_id, model, created, prompt_tokens)
+        super().__init__(RESPONSE_PREFIXES["responses"] + request_id, model, created, prompt_tokens, logprobs)
+        self.entries: list[dict[str, Any]] = []  # logprobs whose text has not been sent yet
         self.request_id, self.echo = request_id, echo
         self.plan = plan if plan is not None and plan.calls else None
         decided = self.plan is not None and self.plan.choice == "required"
@@ -70,6 +75,7 @@ class ResponseFormatter(core.Formatter):
             "temperature": e.temperature, "top_p": e.top_p, "tools": e.tools, "tool_choice": e.tool_choice,
             "parallel_tool_calls": e.parallel_tool_calls, "text": {"format": e.text_format},
             "metadata": e.metadata, "store": False, "previous_response_id": None,
+            "top_logprobs": e.top_logprobs,
             "usage": None if done is None else self._usage(done),
             **({"speculation": core.speculation_stats(done)} if done is not None else {}),
         }  # fmt: skip
@@ -88,6 +94,7 @@ class ResponseFormatter(core.Formatter):
 
     def response(self, done: Result) -> dict[str, Any]:
         """The whole response: the answer read as its stream would be, every item done."""
+        self._hold(done.logprobs or ())
         self._read(done.text)
         self._end(done)
         return self._object(self._status(done), done)
@@ -139,8 +146,10 @@ class ResponseFormatter(core.Formatter):
             item["content"].append(dict(part))
         item = self.items[-1]
         item["content"][0]["text"] += text
+        entries, self.entries = self.entries, []
+        item["content"][0]["logprobs"] += entries
         where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        return [*events, {"type": "response.output_text.delta", **where, "delta": text, "logprobs": []}]
+        return [*events, {"type": "response.output_text.delta", **where, "delta": text, "logprobs": entries}]
 
     def _close_last(self, status: str = "completed") -> list[dict[str, Any]]:
         """The `.done` events of the last item, if it is still open."""
@@ -153,8 +162,11 @@ class ResponseFormatter(core.Formatter):
                     "output_index": index, "arguments": item["arguments"]}  # fmt: skip
             return [done, {"type": "response.output_item.done", "output_index": index, "item": item}]
         part, where = item["content"][0], {"item_id": item["id"], "output_index": index, "content_index": 0}
+        part["logprobs"] += self.entries  # tokens that added no text (the end of sequence)
+        self.entries = []
+        text_done = {"type": "response.output_text.done", **where, "text": part["text"]}
         return [
-            {"type": "response.output_text.done", **where, "text": part["text"], "logprobs": []},
+            text_done | {"logprobs": list(part["logprobs"])},
             {"type": "response.content_part.done", **where, "part": part},
             {"type": "response.output_item.done", "output_index": index, "item": item},
         ]
@@ -177,7 +189,13 @@ class ResponseFormatter(core.Formatter):
             for kind in ("response.created", "response.in_progress")
         ]
 
+    def _hold(self, logprobs: Sequence[TokenLogprobs]) -> None:
+        """Entries wait for the text delta they belong to (text may be held back for a stop string)."""
+        found = self._logprobs(logprobs)
+        self.entries += found["content"] if found else []
+
     def stream_text(self, text: str, logprobs: Sequence[TokenLogprobs], decided: str) -> list[bytes]:
+        self._hold(logprobs)
         return [self._event(e) for e in self._read(text)]
 
     def stream_closing(self, done: Result, include_usage: bool) -> list[bytes]:

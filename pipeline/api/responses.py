@@ -24,10 +24,12 @@ from pipeline.api.chat_messages import (
     tool_fields,
 )  # fmt: skip
 from pipeline.api.errors import ApiError, decode_json
+from pipeline.api.logprobs_format import requested
 from pipeline.api.response_events import Echo, ResponseFormatter
 from pipeline.protocol.messages import Submit
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # content part types that are text
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value this server answers
 
 
 class Part(msgspec.Struct, kw_only=True):
@@ -94,11 +96,14 @@ def prepare(body: bytes, model_id: str, default_max_tokens: int = 0) -> core.Pre
         tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
         parallel_tool_calls=req.parallel_tool_calls is not False,
         text_format=(req.text.format if req.text is not None else None) or {"type": "text"},
-        metadata=req.metadata or {},
+        metadata=req.metadata or {}, top_logprobs=req.top_logprobs,
     )  # fmt: skip
 
     def formatter(request_id: str, created: int, prompt_tokens: int) -> ResponseFormatter:
-        return ResponseFormatter(request_id, model_id, created, prompt_tokens, echo=echo, plan=plan)
+        logprobs = submit.params.logprobs is not None
+        return ResponseFormatter(
+            request_id, model_id, created, prompt_tokens, echo=echo, plan=plan, logprobs=logprobs
+        )
 
     calls = plan is not None and plan.calls
     return core.Prepared(
@@ -113,7 +118,7 @@ def to_submit(
     core.check_model(req.model, model_id)
     _stateless(req)
     core.refuse_unsupported({
-        "top_logprobs": bool(req.top_logprobs), "include": bool(req.include),
+        "include": bool(set(req.include or ()) - {LOGPROBS_INCLUDE}),
         "background": bool(req.background), "conversation": req.conversation is not None,
         "reasoning": req.reasoning is not None,
     })  # fmt: skip
@@ -121,9 +126,16 @@ def to_submit(
     params = core.sampling_params(
         req, max_tokens=req.max_output_tokens, max_tokens_name="max_output_tokens",
         default_max_tokens=default_max_tokens, response_format=_output_format(req, plan),
+        logprobs=requested(True, asks_logprobs(req), req.top_logprobs),
     )  # fmt: skip
     turns = _messages(req)
     return core.make_submit(req, params, messages=chat_messages(turns, plan), **tool_fields(turns, plan))
+
+
+def asks_logprobs(req: ResponsesRequest) -> bool:
+    """OpenAI's Responses API gives each output_text its tokens' logprobs when `include` names them;
+    `top_logprobs` alone asks for them too, as a client setting it means to see them."""
+    return LOGPROBS_INCLUDE in (req.include or ()) or bool(req.top_logprobs)
 
 
 def _stateless(req: ResponsesRequest) -> None:
