@@ -39,7 +39,15 @@ SPECS = {
     # Q/K Q4_K and V Q6_K: a product in two parts
     "q4_k_m-in-parts": TinySpec(quant="Q4_K_M", d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, seed=18),
     "q5_k": TinySpec(quant="Q5_K", d_model=256, d_ff=256, n_heads=4, n_kv_heads=2, seed=19),
-}
+    # Gemma 3: QK-norm, post-norms, GeGLU, the embedding scale, heads of 32 with d_model 64, and local
+    # layers 0 and 2 (a pattern key of period 2) whose window of 8 the tests' sequences go far past
+    "gemma3-window-8": TinySpec(architecture="gemma3", quant="Q8_0", n_layers=4, n_heads=4, n_kv_heads=1,
+                                head_size=32, sliding_window=8, swa_pattern=2, context=160, seed=20),
+    "qwen3-q4_k_m": TinySpec(architecture="qwen3", quant="Q4_K_M", d_model=256, d_ff=512, n_heads=4,
+                             n_kv_heads=2, seed=24),
+    # Llama 3's per-frequency RoPE divisors (rope_freqs.weight), with linear RoPE scaling on top
+    "llama3-rope-freqs": TinySpec(quant="Q4_1", rope_freqs=True, rope_scale=4.0, rope_theta=5e5, seed=25),
+}  # fmt: skip
 
 
 FAST_BACKENDS = ("native", "torch")
@@ -168,6 +176,11 @@ FLAT = {
     "Q4_K_M_320": TinySpec(
         seed=31, quant="Q4_K_M", d_model=320, d_ff=512, n_heads=5, n_kv_heads=1
     ),  # Q5_0 too
+    # Gemma 3 with a window of 8 in layers 0 and 2: speculation's rollbacks cross compacted buffers
+    "GEMMA3": TinySpec(
+        seed=31, architecture="gemma3", quant="Q8_0", n_layers=4, n_heads=4, n_kv_heads=1, head_size=32,
+        sliding_window=8, swa_pattern=2,
+    ),
 }
 
 
@@ -177,7 +190,8 @@ FLAT = {
 def flat_models(request, tmp_path_factory):
     """Target and draft with near-tied logits: where a runtime that is not row-invariant would
     pick different argmaxes in a block and alone. On each fast backend with Q4_1 blocks, and on
-    the native one with every other block type it holds (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0)."""
+    the native one with every other block type it holds (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0) and
+    with a windowed Gemma 3."""
     backend, _, quant = request.param.partition("-")
     root = tmp_path_factory.mktemp("flat")
     for name, scale in (("target", 1.0), ("draft", 0.8)):
