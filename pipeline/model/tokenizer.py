@@ -1,6 +1,7 @@
 """Tokenizer and chat template rebuilt from GGUF metadata.
 
-Encoding is HF `tokenizers` (a BPE model from the file's vocabulary and merges),
+Encoding is HF `tokenizers` (a BPE model from the file's vocabulary and merges, or for a
+SentencePiece-style vocabulary from its scores: pipeline/model/spm_vocab.py),
 streaming decoding is its `DecodeStream` (it holds bytes back until they form whole
 UTF-8 characters), and chat templates render with jinja2 configured the way
 transformers' `apply_chat_template` configures it.
@@ -18,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pipeline.model.errors import ModelFileError
+from pipeline.model.spm_vocab import SPACE, build_spm_tokenizer
 from pipeline.model.tool_templates import renders_hermes_tools
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
@@ -60,8 +62,11 @@ PRE_TOKENIZERS = {
 def build_hf_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     """A `tokenizers.Tokenizer` equivalent to the one the GGUF describes."""
     kind = meta["tokenizer.ggml.model"]
+    if kind == "llama":
+        return build_spm_tokenizer(meta)
     if kind != "gpt2":
-        raise ModelFileError(f"unsupported tokenizer model {kind!r} (supported: byte-level BPE 'gpt2')")
+        supported = "byte-level BPE 'gpt2', SentencePiece-style 'llama'"
+        raise ModelFileError(f"unsupported tokenizer model {kind!r} (supported: {supported})")
     pre = meta.get("tokenizer.ggml.pre") or "default"
     if pre not in PRE_TOKENIZERS:
         raise ModelFileError(f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZERS)})")
@@ -84,6 +89,10 @@ class Tokenizer:
         self.bos_id: int | None = info.get("bos_id")
         self.eos_id: int | None = info.get("eos_id")
         self.add_bos: bool = bool(info.get("add_bos"))
+        self.add_eos: bool = bool(info.get("add_eos"))
+        # How a token's text stands for bytes: "byte_level" (GPT-2's alphabet) or "sentencepiece"
+        # (U+2581 for a space, <0xNN> byte tokens). Caches written before the key existed are byte-level.
+        self.pieces: str = info.get("pieces", "byte_level")
         self.chat_template: str | None = info.get("chat_template")
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._added_tokens: dict[int, str] | None = None  # special and user-defined tokens, by id
@@ -101,17 +110,25 @@ class Tokenizer:
             "bos_id": self.bos_id,
             "eos_id": self.eos_id,
             "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "pieces": self.pieces,
             "chat_template": self.chat_template,
         }
         return self.hf.to_str(), json.dumps(info)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Control-token text in `text` is parsed as those tokens (a rendered chat template is
+        text), as llama.cpp's `tokenize(..., special=True)` parses it. `add_bos` None adds what the
+        file asks for (its BOS, and its EOS where `add_eos_token` is set), as llama.cpp does with
+        `add_special`; True or False decides the BOS alone."""
         if len(text) > GIL_FREE_CHARS:  # the same ids; `encode` would hold the GIL throughout
             ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = self.hf.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
+        if add_bos is None and self.add_eos and self.eos_id is not None:
+            ids = [*ids, self.eos_id]
         return ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
@@ -127,6 +144,8 @@ class Tokenizer:
         added = self._added().get(token_id)
         if added is not None:
             return added.encode()
+        if self.pieces == "sentencepiece":
+            return _sentencepiece_bytes(self.token_text(token_id))
         return bytes(_BYTE_OF_CHAR[char] for char in self.token_text(token_id))
 
     def _added(self) -> dict[int, str]:
@@ -204,11 +223,23 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
+def _sentencepiece_bytes(piece: str) -> bytes:
+    """<0xNN> is the byte NN; elsewhere U+2581 is a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace(SPACE, " ").encode()
+
+
 def _info_from_metadata(meta: dict[str, Any]) -> dict[str, Any]:
     return {
         "bos_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_id": meta.get("tokenizer.ggml.eos_token_id"),
         "add_bos": bool(meta.get("tokenizer.ggml.add_bos_token")),
+        "add_eos": bool(meta.get("tokenizer.ggml.add_eos_token")),
+        "pieces": "sentencepiece" if meta.get("tokenizer.ggml.model") == "llama" else "byte_level",
         "chat_template": meta.get("tokenizer.chat_template"),
     }
 
