@@ -81,6 +81,18 @@ def build_hf_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     return tok
 
 
+# A base model (Gemma 3 270M) has no template: chat messages are refused with this, in one line
+# from the CLI (`--chat`, `--messages`) and as a 400 from the gateway's chat and responses APIs.
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template (it is a base model, which continues plain text): give it a "
+    "prompt to complete (no --chat or --messages; /v1/completions over HTTP), not chat messages"
+)
+
+
+class NoChatTemplate(ValueError):
+    """Chat messages for a model without a chat template; a ValueError, as every refused prompt is."""
+
+
 class Tokenizer:
     """Text <-> ids for one model, plus its chat template and special ids."""
 
@@ -161,7 +173,7 @@ class Tokenizer:
         `renders_tools`), the messages are OpenAI-shaped, tool calls and results included, and the
         template renders the tools itself (`tool_templates`)."""
         if not self.chat_template:
-            raise ValueError("this model has no chat template; pass a plain prompt instead")
+            raise NoChatTemplate(NO_CHAT_TEMPLATE)
         # A structured assistant turn that only calls tools has no content (OpenAI's null).
         contents = (str, type(None)) if tools is not None else str
         for m in messages:

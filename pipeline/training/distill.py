@@ -112,7 +112,9 @@ def distill(
         if path.exists():
             continue
         texts = prompts[shard * SHARD : (shard + 1) * SHARD]
-        encoded = [tok.encode(tok.render_chat([{"role": "user", "content": t}])) for t in texts]
+        # A base model (no chat template) is served plain text to continue, so it is distilled on that.
+        shown = [tok.render_chat([{"role": "user", "content": t}]) if tok.chat_template else t for t in texts]
+        encoded = [tok.encode(t) for t in shown]
         made += write_shard(path, answer_shard(model, encoded, shard * SHARD, max_new=max_new, batch=batch,
                                                seed=seed))  # fmt: skip
         rate = made / (time.perf_counter() - start)
