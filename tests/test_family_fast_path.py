@@ -8,6 +8,8 @@ from another cache, as in one prefill; the local buffer stays bounded while it d
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,6 +19,7 @@ from pipeline.decoding.adaptive import K_LIMIT
 from pipeline.decoding.tree import path
 from pipeline.model import load_model
 from pipeline.model.row_cache import WINDOW_MARGIN
+from pipeline.workers.prefix_reuse import Holder, best_holder
 
 from .tinymodel import TinySpec, reference_logits, write_tiny_gguf
 
@@ -108,6 +111,20 @@ def test_adopting_a_prefix_copies_the_window_or_is_refused(gemma):
     assert np.array_equal(model.forward(copy, tokens[length:]), want[length:])
     with pytest.raises(ValueError, match="local layers"):
         model.new_cache().adopt(source, 100)
+
+
+def test_prefix_reuse_copies_only_from_a_cache_that_still_holds_the_window(gemma):
+    """The verify lane's prefix copies (`workers.prefix_reuse`) pass over a holder whose local layers
+    dropped what the copy needs: that prompt is prefilled instead of failing the lane."""
+    model, _, tokens, _ = gemma
+    donor = model.new_cache()
+    for start in range(0, 340, 17):
+        model.forward(donor, tokens[start : start + 17])
+    holder = Holder(tokens[:340], donor)
+    early = SimpleNamespace(tokens=[*tokens[:100], 5, 6], fed=0, cache=model.new_cache())
+    assert best_holder(early, [holder]) == (None, 0)
+    late = SimpleNamespace(tokens=[*tokens[:335], 5], fed=0, cache=model.new_cache())
+    assert best_holder(late, [holder]) == (holder, 335)
 
 
 @st.composite

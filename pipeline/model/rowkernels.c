@@ -148,10 +148,12 @@ static void rope_head(float *v, const float *cos, const float *sin, int hd) {
  * whatever G is, so grouping changes speed, not bits. */
 #define KEYS 32
 #define MAX_GROUP 8
-static void score_block(const float *const *q, int G, const float *kt, int cap, int hd, int j0,
-                               int width, float *const *scores) {
+#define INLINE static inline __attribute__((always_inline))
+INLINE void score_block_g(const float *const *q, const int G, const float *kt, int cap, int hd, int j0,
+                          int width, float *const *scores) {
     float s[MAX_GROUP][KEYS];
-    memset(s, 0, sizeof s);
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < KEYS; j++) s[g][j] = 0.0f;
     for (int i = 0; i < hd; i++) {
         const float *krow = kt + (size_t)i * cap + j0;
         float k[KEYS];
@@ -167,11 +169,52 @@ static void score_block(const float *const *q, int G, const float *kt, int cap, 
     for (int g = 0; g < G; g++) memcpy(scores[g] + j0, s[g], sizeof(float) * width);
 }
 
+/* One copy of the body per group size, so the compiler keeps the G x 32 sums in registers. */
+static void score_block(const float *const *q, int G, const float *kt, int cap, int hd, int j0, int width,
+                        float *const *scores) {
+    switch (G) {
+    case 1: score_block_g(q, 1, kt, cap, hd, j0, width, scores); break;
+    case 2: score_block_g(q, 2, kt, cap, hd, j0, width, scores); break;
+    case 3: score_block_g(q, 3, kt, cap, hd, j0, width, scores); break;
+    case 4: score_block_g(q, 4, kt, cap, hd, j0, width, scores); break;
+    default: score_block_g(q, G, kt, cap, hd, j0, width, scores); break;
+    }
+}
+
 /* out[g] = inv[g] * sum_j weights[g][j] v_j: an fma chain over keys in index order per element,
- * each value row loaded once for the G heads (head_dim <= MAX_HEAD_DIM). */
+ * each value row loaded once for the G heads (head_dim <= MAX_HEAD_DIM). Where head_dim is a
+ * multiple of VALUES, the elements are taken VALUES at a time (every element's chain the same), so
+ * the G x VALUES sums stay in registers. */
 #define MAX_HEAD_DIM 256
+#define VALUES 32
+INLINE void weigh_values_g(float *const *weights, const int G, const float *v, int n, const int *tail,
+                           int n_tail, int hd, const float *inv, float *out) {
+    for (int c = 0; c < hd; c += VALUES) {
+        float acc[MAX_GROUP][VALUES];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < VALUES; i++) acc[g][i] = 0.0f;
+        for (int j = 0; j < n + n_tail; j++) {
+            const float *vj = v + (size_t)(j < n ? j : tail[j - n]) * hd + c;
+            for (int g = 0; g < G; g++) {
+                float w = weights[g][j];
+                for (int i = 0; i < VALUES; i++) acc[g][i] = fmaf(w, vj[i], acc[g][i]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < VALUES; i++) out[(size_t)g * hd + c + i] = acc[g][i] * inv[g];
+    }
+}
+
 static void weigh_values(float *const *weights, int G, const float *v, int n, const int *tail, int n_tail,
                          int hd, const float *inv, float *out) {
+    if (hd % VALUES == 0 && G <= 4) {
+        switch (G) {
+        case 1: weigh_values_g(weights, 1, v, n, tail, n_tail, hd, inv, out); return;
+        case 2: weigh_values_g(weights, 2, v, n, tail, n_tail, hd, inv, out); return;
+        case 3: weigh_values_g(weights, 3, v, n, tail, n_tail, hd, inv, out); return;
+        default: weigh_values_g(weights, 4, v, n, tail, n_tail, hd, inv, out); return;
+        }
+    }
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     for (int g = 0; g < G; g++)
         for (int i = 0; i < hd; i++) acc[g][i] = 0.0f;
@@ -369,16 +412,21 @@ void rope_attend_f32(const float *qkv, const AttendSpec *a, int rows, int start,
             for (int x = r, d = depth[r]; x >= 0; x = parents[x], d--) paths[(size_t)r * rows + d] = start + x - lo[r];
         }
     }
-    int units = n_kv * rows;
-    size_t work = (size_t)units * group * (start + rows) * hd;
+    /* A unit: one row's queries of one kv head, or half of them where there would be only one unit
+     * (one row, one kv head: Gemma 3's decode step), so both threads attend. A head's bits do not
+     * depend on which heads share its group (score_block, weigh_values). */
+    int chunk = n_kv * rows == 1 && group > 1 ? (group + 1) / 2 : MAX_GROUP;
+    int per_kv = (group + chunk - 1) / chunk, units = n_kv * rows * per_kv;
+    size_t work = (size_t)n_kv * rows * group * (start + rows) * hd;
 #pragma omp parallel for schedule(static) if (units > 1 && work > 32768)
     for (int unit = 0; unit < units; unit++) {
-        int h = unit % n_kv, r = unit / n_kv, first = lo[r] - a->base;
+        int part = unit % per_kv, h = unit / per_kv % n_kv, r = unit / per_kv / n_kv, first = lo[r] - a->base;
         int n = paths ? (start > lo[r] ? start - lo[r] : 0) : start + r + 1 - lo[r];
         int n_tail = paths ? depth[r] + 1 - skip[r] : 0;
         const int *tail = paths ? paths + (size_t)r * rows + skip[r] : NULL;
-        for (int g0 = 0; g0 < group; g0 += MAX_GROUP) {
-            int G = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP, head = h * group + g0;
+        int g_end = (part + 1) * chunk < group ? (part + 1) * chunk : group;
+        for (int g0 = part * chunk; g0 < g_end; g0 += MAX_GROUP) {
+            int G = g_end - g0 < MAX_GROUP ? g_end - g0 : MAX_GROUP, head = h * group + g0;
             attend_group(q + ((size_t)r * n_heads + head) * hd, G, kt + (size_t)h * hd * cap + first,
                          v + ((size_t)h * cap + first) * hd, n, tail, n_tail, cap, hd,
                          out + ((size_t)r * n_heads + head) * hd);

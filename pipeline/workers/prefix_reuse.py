@@ -121,6 +121,15 @@ def best_holder(job: Feeding, holders: Sequence[Holder]) -> tuple[Holder | None,
     (`job.fed` and None if no holder has more)."""
     best, source = job.fed, None
     for holder in holders:
-        if holder.held > best and (length := reusable(job.tokens, holder.tokens[: holder.held])) > best:
+        length = reusable(job.tokens, holder.tokens[: holder.held]) if holder.held > best else 0
+        if length > best and lends(holder.cache, length):
             best, source = length, holder
     return source, best
+
+
+def lends(cache: KVCache, length: int) -> bool:
+    """Whether `cache` still holds every K/V a copy of its first `length` positions needs: one whose
+    sliding-window layers dropped positions a query there reads (`row_cache.RowCache.lends`) does
+    not, and the prompt is prefilled instead."""
+    check = getattr(cache, "lends", None)
+    return check is None or bool(check(length))
