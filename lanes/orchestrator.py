@@ -3,12 +3,13 @@
 Everything it receives (replies and acks on the data inbox, lane news on the control inbox,
 client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
 goes out on the lane's Push socket. Sends to the verify lane keep their order and never
-block the loop; an audit send that cannot be handed over now is given back to the hub (that
-event is re-sent later). The verify lane drives the decode loops: this process journals, streams
-and audits the steps it decides, and tells it how far the journal has got. A Submit's prompt is tokenized in
-a worker thread (`Hub.admit`), so a long prompt delays only its own request, never the loop; so are
-`Tokenize` and `Detokenize`. A `MetricsQuery` is answered with the Prometheus text of this process's
-instruments (observability/prometheus.py). The state-like ones (requests decoding and queued, lanes)
+block the loop; audit events sent together go as one AuditBatch, and one that cannot be handed
+over now is given back to the hub (its events are re-sent later). The verify lane drives the
+decode loops: this process journals, streams and audits the steps it decides, and tells it how far
+the journal has got. A Submit's prompt is tokenized in a worker thread (`Hub.admit`), so a long
+prompt delays only its own request, never the loop; so are `Tokenize` and `Detokenize`. A
+`MetricsQuery` is answered with the Prometheus text of this process's instruments
+(observability/prometheus.py). The state-like ones (requests decoding and queued, lanes)
 read `gauges`, a snapshot the loop takes every tick and before each MetricsQuery: the OTLP exporter
 collects from its own thread, which must not walk the hub's structures while the loop changes them.
 """
@@ -33,7 +34,7 @@ from pipeline.model.draft_head import head_file
 from pipeline.model.store import load_front
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.observability.prometheus import CONTENT_TYPE, PrometheusExposition
-from pipeline.orchestration.effects import Send
+from pipeline.orchestration.effects import Send, batched
 from pipeline.orchestration.front import unknown
 from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import open_journal
@@ -92,7 +93,7 @@ class OrchestratorLane:
         return trio.current_time()
 
     def dispatch(self, sends: list[Send]) -> None:
-        for send in sends:
+        for send in batched(sends):
             if send.lane == "verify":
                 if self.queued_for_verify or not self.outboxes["verify"].put_nowait(send.message):  # type: ignore[arg-type]
                     self.queued_for_verify += 1
@@ -138,13 +139,11 @@ class OrchestratorLane:
                 self.guarded(handle, msg)
 
     async def receive_data(self, inbox: Inbox) -> None:
-        """Decided steps in bursts: each is journaled, streamed and audited as it comes, and one
-        StepsJournaled per burst tells the verify lane how far the journal has got."""
+        """Decided steps in bursts: everything the inbox holds at once is journaled in one
+        transaction (`Hub.on_burst`); then one StepsJournaled tells the verify lane how far the
+        journal has got, one AuditBatch takes the burst's events, and the polls waiting on it wake."""
         while True:
-            for msg in [await inbox.next(), *inbox.ready()]:
-                self.guarded(self.hub.on_data, msg)
-            if (told := self.hub.journaled_steps()) is not None:
-                self.dispatch([told])
+            self.guarded(self.hub.on_burst, [await inbox.next(), *inbox.ready()])
 
     async def tick(self) -> None:
         while True:

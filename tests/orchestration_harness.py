@@ -26,8 +26,10 @@ from pipeline.orchestration.tracing import RequestTracing, gauges_of
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
     AuditAck,
+    AuditBatch,
     AuditEvent,
     AuditInbox,
+    AuditLaneInbox,
     Codec,
     DataInbox,
     DraftInbox,
@@ -68,7 +70,8 @@ class FakeLane:
 
 
 PROCESS = ProcessStats.measure()  # every lane's heartbeat carries figures, as a real one's does
-CODECS = {"verify": Codec(VerifyInbox), "draft": Codec(DraftInbox), "audit": Codec(AuditInbox)}
+CODECS = {"verify": Codec(VerifyInbox), "draft": Codec(DraftInbox), "audit": Codec(AuditLaneInbox)}
+EVENTS: Codec = Codec(AuditInbox)
 REPLIES: Codec = Codec(DataInbox)
 
 
@@ -86,6 +89,8 @@ class World:
     secrets: dict[str, str] = field(default_factory=dict)  # what each Submit was answered with
     journal_path: str = ":memory:"  # a file, for tests that restart the orchestrator
     orchestrator_dead: bool = False  # replies sent now are lost with it
+    burst_replies: bool = False  # the steps of every forward till the lane idles reach it as one burst
+    reported: list[msgspec.Struct] = field(default_factory=list)  # those steps, until then
     pids: dict[str, int] = field(
         default_factory=lambda: {"verify": 10, "draft": 20, "audit": 30, "orchestrator": 40}
     )
@@ -164,18 +169,23 @@ class World:
         self.in_flight.extend(sends)
 
     def reply(self, message: msgspec.Struct) -> None:
-        if self.orchestrator_dead:
+        """One message into the orchestrator's data inbox, taken at once (a burst of one)."""
+        self.replies([message])
+
+    def replies(self, messages: list[msgspec.Struct]) -> None:
+        """Messages the orchestrator's data inbox holds at once: one burst, one journal transaction."""
+        if self.orchestrator_dead or not messages:
             return
-        self.feed(self.hub.on_data(REPLIES.decode(encode(message)), self.now))
-        if (told := self.hub.journaled_steps()) is not None:
-            self.feed([told])
+        self.feed(self.hub.on_burst([REPLIES.decode(encode(m)) for m in messages], self.now))
 
     def from_verify_lane(self, out: list[Out]) -> None:
         """The verify lane's sends: draft requests on their way to the draft lane, decided steps to
-        the orchestrator."""
+        the orchestrator (one at a time, or held for one burst with `burst_replies`)."""
         for item in out:
             if item.lane == "draft":
                 self.feed([Send("draft", item.message)])
+            elif self.burst_replies:
+                self.reported.append(item.message)
             else:
                 self.reply(item.message)
 
@@ -187,6 +197,8 @@ class World:
         while self.core.has_work():
             self.to_verifier.extend(self.core.queued)
             self.from_verify_lane(self.core.forward(self.now))
+        reported, self.reported = self.reported, []  # every forward's steps in one report
+        self.replies(reported)
 
     def deliver_one(self) -> Send:
         send = self.in_flight.popleft()
@@ -205,8 +217,9 @@ class World:
             else:
                 self.feed([Send("verify", self.drafts.draft(msg))])
         else:
-            self.audited[msg.event_id] = msg
-            self.reply(AuditAck(event_ids=[msg.event_id]))
+            events = [EVENTS.decode(raw) for raw in msg.events] if isinstance(msg, AuditBatch) else [msg]
+            self.audited.update((event.event_id, event) for event in events)
+            self.reply(AuditAck(event_ids=[event.event_id for event in events]))
         return send
 
     def run(self, until: int | None = None) -> None:

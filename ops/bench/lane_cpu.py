@@ -10,6 +10,9 @@ It starts a private pipeline (`running_pipeline`: a temporary run directory, no 
 with one short request, then streams `--tokens` greedy tokens with drafter `none` and EOS ignored,
 `--repeats` times, reading each process's utime + stime from /proc before and after each stream
 (the supervisor, the four lanes, this process as the client, and the machine's other work).
+Heartbeats, ticks and polls cost CPU by the second whether tokens flow or not, so on a busy machine
+(fewer tokens a second) the gross figure grows; `net` first measures each process idle for
+`--idle-seconds` and takes that rate times the stream's duration off, leaving what the tokens cost.
 Run from the repository's root:
 
     .venv/bin/python ops/bench/lane_cpu.py [--tokens 1000] [--repeats 3] [--set KEY=VALUE ...] [--json]
@@ -48,32 +51,50 @@ def parent_pid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
-def one_stream(client: Client, pids: dict[str, int], text: str, tokens: int) -> dict:
-    """One long stream; CPU ms per token of each process, and tok/s with the load it ran under."""
+def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds of each process between two snapshots, and of the machine's other work."""
+    used = {name: after[name] - before[name] for name in after}
+    ours = sum(v for k, v in used.items() if k != "machine")
+    used["others"] = max(0.0, used.pop("machine") - ours)
+    return used
+
+
+def idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """CPU seconds per second of each process with no request running."""
+    if seconds <= 0:
+        return {}
+    before = cpu_snapshot(pids)
+    time.sleep(seconds)
+    return {name: used / seconds for name, used in spent(before, cpu_snapshot(pids)).items()}
+
+
+def one_stream(client: Client, pids: dict[str, int], text: str, tokens: int, idle: dict[str, float]) -> dict:
+    """One long stream; CPU ms per token of each process (gross, and net of its idle rate), and tok/s
+    with the load it ran under."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     before = cpu_snapshot(pids)
     run = via_pipeline(client, text, params, "none")
-    after = cpu_snapshot(pids)
-    count = len(run["tokens"])
-    spent = {name: after[name] - before[name] for name in after}
-    ours = sum(v for k, v in spent.items() if k != "machine")
-    spent["others"] = max(0.0, spent.pop("machine") - ours)
+    used, count, seconds = spent(before, cpu_snapshot(pids)), len(run["tokens"]), run["seconds"]
+    net = {k: max(0.0, v - idle.get(k, 0.0) * seconds) for k, v in used.items() if k != "others"}
     return {
-        "tokens": count, "seconds": run["seconds"], "tokens_per_second": count / run["seconds"],
-        "load": load_note(), "cpu_ms_per_token": {k: 1000.0 * v / count for k, v in spent.items()},
-        "output": run["tokens"],
+        "tokens": count, "seconds": seconds, "tokens_per_second": count / seconds, "load": load_note(),
+        "cpu_ms_per_token": {k: 1000.0 * v / count for k, v in used.items()},
+        "net_cpu_ms_per_token": {k: 1000.0 * v / count for k, v in net.items()}, "output": run["tokens"],
     }  # fmt: skip
 
 
-def render(runs: list[dict]) -> str:
+def render(runs: list[dict], idle: dict[str, float]) -> str:
     lines = ["cpu ms/token: " + " ".join(f"{p:>12}" for p in PROCESSES) + "   tok/s  load 1/5/15"]
     for run in runs:
         cells = " ".join(f"{run['cpu_ms_per_token'].get(p, 0.0):12.3f}" for p in PROCESSES)
         lines.append(f"{run['tokens']:>6} tokens: {cells}  {run['tokens_per_second']:6.1f}  {run['load']}")
-    medians = {p: statistics.median(r["cpu_ms_per_token"].get(p, 0.0) for r in runs) for p in PROCESSES}
-    rate = statistics.median(r["tokens_per_second"] for r in runs)
-    cells = " ".join(f"{medians[p]:12.3f}" for p in PROCESSES)
-    lines.append(f"{'median':>13}: {cells}  {rate:6.1f}")
+    for key, name in (("cpu_ms_per_token", "median"), ("net_cpu_ms_per_token", "median net")):
+        medians = {p: statistics.median(r[key].get(p, 0.0) for r in runs) for p in PROCESSES}
+        rate = statistics.median(r["tokens_per_second"] for r in runs)
+        cells = " ".join(f"{medians[p]:12.3f}" for p in PROCESSES)
+        lines.append(f"{name:>13}: {cells}  {rate:6.1f}")
+    cells = " ".join(f"{1000.0 * idle.get(p, 0.0):12.3f}" for p in PROCESSES)
+    lines.append(f"{'idle ms/s':>13}: {cells}")
     return "\n".join(lines)
 
 
@@ -82,6 +103,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=1000, help="new tokens per stream (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=3, help="streams, each measured on its own")
     parser.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
+    parser.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU measured first (0: none)")
     parser.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for the pipeline")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
@@ -90,14 +112,16 @@ def main() -> int:
         via_pipeline(client, "Hello.", SamplingParams(max_tokens=16, ignore_eos=True), "none")  # warm
         pids = lane_pids(client.status())
         pids["supervisor"] = parent_pid(pids["orchestrator"])
+        time.sleep(0.5)  # the warm-up's tail (audit acks, heartbeats) settles
+        idle = idle_rates(pids, args.idle_seconds)
         for _ in range(args.repeats):
-            time.sleep(0.2)  # the last request's tail (audit acks, heartbeats) settles
-            runs.append(one_stream(client, pids, WORKLOADS[args.workload], args.tokens))
+            time.sleep(0.2)
+            runs.append(one_stream(client, pids, WORKLOADS[args.workload], args.tokens, idle))
     outputs = {tuple(r.pop("output")) for r in runs}
     if args.json:
-        print(json.dumps({"runs": runs, "identical": len(outputs) == 1, "commit": os.getcwd()}))
+        print(json.dumps({"runs": runs, "idle": idle, "identical": len(outputs) == 1, "root": os.getcwd()}))
     else:
-        print(render(runs))
+        print(render(runs, idle))
         print(f"outputs identical across streams: {len(outputs) == 1}")
     return 0 if len(outputs) == 1 else 1
 

@@ -41,6 +41,7 @@ from pipeline.orchestration.effects import (
     Record,
     Send,
     Stepped,
+    batched,
 )
 from pipeline.orchestration.front import ClientFront, unknown
 from pipeline.orchestration.journal import Journal, OpenedRecord
@@ -206,6 +207,33 @@ class Hub:
             return []
         return self._run(machine, machine.on_reply(msg, now), now)
 
+    def on_burst(self, msgs: list[DataInbox | BadMessage], now: float) -> list[Send]:
+        """What the data inbox held at once (decided steps of several requests, acknowledgements),
+        journaled in one transaction. Every send comes back only after its commit: StepsJournaled
+        and the audit events (one AuditBatch) never speak of a step the journal could still lose, and
+        the lane process wakes the polls that show them only then. A commit the disk cannot take
+        loses the whole burst's steps: the requests they belong to end with `storage_full`, as one
+        whose step the journal refused."""
+        sends: list[Send] = []
+        try:
+            with self.journal.transaction():
+                for msg in msgs:
+                    try:
+                        sends += self.on_data(msg, now)
+                    except StorageFull:
+                        raise
+                    except Exception:  # a bug in handling one message costs that message, not the burst
+                        log.exception("orchestrator core failed on %s", type(msg).__name__)
+        except StorageFull as exc:
+            log.warning("the journal could not commit a burst of steps: %s", exc)
+            lost, self.journaled = list(self.journaled), {}
+            for request_id in lost:
+                if (machine := self.front.machine(request_id)) is not None:
+                    sends += self._run(machine, machine.cancel(now, "storage_full"), now)
+        if (told := self.journaled_steps()) is not None:
+            sends.append(told)
+        return batched(sends)
+
     def journaled_steps(self) -> Send | None:
         """What the verify lane must hear of the journal: each request's last journaled step since it
         was last told (the lane process sends it once its data inbox is drained, so one message
@@ -260,8 +288,8 @@ class Hub:
 
     def send_failed(self, send: Send, now: float) -> list[Send]:
         """The lane process could not hand `send` over right now."""
-        if send.lane == "audit":
-            self.ledger.outbox.unsent(send.event_id)
+        for event_id in send.event_ids:  # audit events (a batch of them, or one)
+            self.ledger.outbox.unsent(event_id)
         return []
 
     # --- effects ----------------------------------------------------------------------

@@ -10,8 +10,10 @@ chunk a client saw is in it. It also holds the audit outbox itself, so events th
 had not acknowledged survive the orchestrator too.
 
 SQLite in WAL mode with synchronous=NORMAL: a commit is a write() into the WAL file, which
-survives the process being killed (what this is for) at a few microseconds a step; a power
-cut may lose the last commits but never corrupts the file. A request's rows go when its
+survives the process being killed (what this is for); a power cut may lose the last commits but
+never corrupts the file. The orchestrator writes each burst of decided steps (with their outbox
+rows and acknowledgements) in one `transaction`: one commit a burst, not three a step, and what
+it acknowledges to the verify lane or shows a client comes after that commit. A request's rows go when its
 retention ends, so the file stays the size of what is in flight or retained.
 
 A file can still be damaged under it (a disk error, a stray write, a cut copy). `open_journal`
@@ -102,6 +104,7 @@ class Journal:
         self.db.execute(f"PRAGMA user_version = {FORMAT}")
         self.encoder = msgspec.msgpack.Encoder()
         self.failure = ""  # the last write that failed for want of space, until taken
+        self.batching = False  # inside `transaction`: writes wait for its one commit
 
     @contextlib.contextmanager
     def _storage(self, critical: bool) -> Iterator[None]:
@@ -113,6 +116,39 @@ class Journal:
             self.failure = str(exc) or type(exc).__name__
             if critical:
                 raise StorageFull(self.failure) from None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """The writes inside, committed together at its end (a nested one joins the outer). A commit
+        the disk cannot take rolls them all back and raises StorageFull: none of them happened. So
+        does a transaction SQLite already rolled back itself (it may, on SQLITE_FULL)."""
+        if self.batching:
+            yield
+            return
+        self.batching = True
+        try:
+            self.db.execute("BEGIN")
+            yield
+            if not self.db.in_transaction:
+                raise StorageFull(self.failure or "the journal's transaction was rolled back")
+            with self._storage(critical=True):
+                self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+        finally:
+            self.batching = False
+
+    @contextlib.contextmanager
+    def _atomic(self) -> Iterator[None]:
+        """Several statements as one: a transaction of their own, or the one they are inside."""
+        if self.batching:
+            yield
+        else:
+            with self.db:
+                self.db.execute("BEGIN")
+                yield
 
     def take_failure(self) -> str:
         failure, self.failure = self.failure, ""
@@ -150,7 +186,7 @@ class Journal:
             )
 
     def forget(self, request_id: str) -> None:
-        with self._storage(critical=False), self.db:
+        with self._storage(critical=False), self._atomic():
             for table in ("opened", "steps", "results"):
                 self.db.execute(f"DELETE FROM {table} WHERE request_id = ?", (request_id,))
 
@@ -165,7 +201,7 @@ class Journal:
             self.db.executemany("DELETE FROM outbox WHERE event_id = ?", [(e,) for e in event_ids])
 
     def fault(self, data: bytes) -> None:
-        with self._storage(critical=False), self.db:
+        with self._storage(critical=False), self._atomic():
             self.db.execute("INSERT INTO faults (data) VALUES (?)", (data,))
             self.db.execute(
                 "DELETE FROM faults WHERE seq <= (SELECT MAX(seq) FROM faults) - ?", (KEPT_FAULTS,)

@@ -60,7 +60,7 @@ class Ledger:
         data, up = encode(event), self.lanes.is_up("audit")
         self.outbox.add(event.event_id, data, now if up else None)
         self.journal.outbox_add(event.event_id, data)
-        return [Send("audit", data, event.event_id)] if up else []
+        return [Send("audit", data, (event.event_id,))] if up else []
 
     def acknowledged(self, event_ids: list[str]) -> None:
         self.outbox.ack(event_ids)
@@ -81,7 +81,7 @@ class Ledger:
         if not self.lanes.is_up("audit"):
             return []
         return [
-            Send("audit", data, event_id)
+            Send("audit", data, (event_id,))
             for event_id, data in self.outbox.due(now, self.settings.resend_after)
         ]
 

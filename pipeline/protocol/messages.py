@@ -281,6 +281,14 @@ class StepEvent(AuditEvent, frozen=True, kw_only=True):
     parents: list[int] | None = None  # `drafted` as a token tree (None: a chain)
 
 
+class AuditBatch(Message, frozen=True, kw_only=True):
+    """Several audit events in one message: the events of a burst of decided steps (or a re-send),
+    which the audit lane writes in one transaction. Each stays the exact bytes the orchestrator's
+    outbox keeps (`msgspec.Raw`), so a batch costs no re-encoding and a bad event costs only itself."""
+
+    events: list[msgspec.Raw]
+
+
 class SpeculativeEvent(AuditEvent, frozen=True, kw_only=True):
     """Per-request summary."""
 
@@ -511,6 +519,7 @@ class Text(Message, frozen=True, kw_only=True):
 VerifyInbox = Open | Close | StepsJournaled | Drafted
 DraftInbox = DraftRequest | Close
 AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
+AuditLaneInbox = AuditInbox | AuditBatch  # what the audit lane's socket takes (AuditInbox: what it stores)
 DataInbox = Decided | StepFailed | AuditAck
 ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
 ClientRequest = Submit | Poll | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize

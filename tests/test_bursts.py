@@ -1,0 +1,212 @@
+"""The orchestrator takes decided steps in bursts (`Hub.on_burst`): one journal transaction a burst,
+StepsJournaled and the audit events only after its commit, and the audit events of a burst as one
+AuditBatch that the audit lane writes in one transaction and acknowledges once. Whole requests run
+through the in-process World (tests/orchestration_harness.py) with every forward's steps held for
+one burst, as the verify lane's 20 ms reports hold them."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from lanes.audit import unbatched
+from pipeline.audit.store import AuditStore
+from pipeline.decoding.drafters import NoDraftSource
+from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.speculative import decode
+from pipeline.model import Model
+from pipeline.model.prompts import prompt_tokens
+from pipeline.orchestration.effects import BATCH_EVENTS, Send, batched
+from pipeline.orchestration.journal import Journal
+from pipeline.orchestration.storage import StorageFull
+from pipeline.protocol.messages import (
+    AuditBatch,
+    AuditLaneInbox,
+    BadMessage,
+    Codec,
+    Decided,
+    StepEvent,
+    StepsJournaled,
+    encode,
+)
+
+from .orchestration_harness import World
+from .tinymodel import TinySpec, write_tiny_gguf
+
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+PROMPTS = ("ab ab ab ab cd cd", "cd ab cd ab")
+
+
+class Killed(BaseException):
+    """The orchestrator dies here (not an error its core would catch and carry on from)."""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    path = tmp_path_factory.mktemp("bursts") / "tiny.gguf"
+    write_tiny_gguf(path, TinySpec(seed=21, scale=1.2))
+    return Model.load(path)
+
+
+def plain(model: Model, prompt: str) -> list[int]:
+    assert model.tokenizer is not None
+    tokens = prompt_tokens(model.tokenizer, prompt, chat=False, messages=None)
+    return decode(model, tokens, PARAMS, NoDraftSource(), k=0).tokens
+
+
+def bursting(model: Model, path: Path) -> World:
+    world = World(model, journal_path=str(path), burst_replies=True)
+    world.up()
+    return world
+
+
+def journaled(path: Path) -> dict[str, int]:
+    """The last step of each request that another connection reads in the journal: what is committed."""
+    with sqlite3.connect(path) as db:
+        return dict(db.execute("SELECT request_id, MAX(step) FROM steps GROUP BY request_id"))
+
+
+def test_bursts_give_the_plain_tokens_and_acknowledge_only_committed_steps(model, tmp_path):
+    world = bursting(model, tmp_path / "journal.sqlite")
+    ids = [world.submit(prompt, params=PARAMS, drafter="none") for prompt in PROMPTS]
+    on_burst, sizes, told = world.hub.on_burst, [], []
+
+    def checked(msgs, now):
+        sends = on_burst(msgs, now)
+        sizes.append(sum(isinstance(m, Decided) for m in msgs))
+        committed = journaled(tmp_path / "journal.sqlite")
+        for send in sends:
+            if isinstance(send.message, StepsJournaled):
+                told.append(send.message.steps)
+                assert all(committed[r] >= step for r, step in send.message.steps.items())
+        return sends
+
+    world.hub.on_burst = checked  # type: ignore[method-assign]
+    world.run()
+    for request_id, prompt in zip(ids, PROMPTS, strict=True):
+        result = world.result(request_id)
+        assert result is not None and result.tokens == plain(model, prompt)
+    assert max(sizes) > world.config.run.run_ahead  # bursts of several steps of both requests
+    assert told and len(told) < sum(sizes)  # one StepsJournaled a burst, not one a step
+    batches = [s for s in world.sent if s.lane == "audit" and len(s.event_ids) > 1]
+    assert batches and all(len(s.event_ids) <= BATCH_EVENTS for s in batches)
+    steps = sorted((e.request_id, e.step) for e in world.audited.values() if isinstance(e, StepEvent))
+    assert len(steps) == len(set(steps)) == sum(world.result(r).stats.steps + 1 for r in ids)
+    assert len(world.hub.ledger.outbox) == 0  # every batched event acknowledged
+
+
+def test_a_kill_inside_a_burst_loses_only_unacknowledged_steps_and_the_output_is_undisturbed(model, tmp_path):
+    path = tmp_path / "journal.sqlite"
+    world = bursting(model, path)
+    request_id = world.submit(PROMPTS[0], params=PARAMS, drafter="none")
+    on_data, seen = world.hub.on_data, []
+
+    def dies_at_the_twelfth(msg, now):
+        if isinstance(msg, Decided):
+            seen.append(msg.step)
+            if len(seen) == 12:  # steps before it in this burst were written, not committed
+                raise Killed
+        return on_data(msg, now)
+
+    world.hub.on_data = dies_at_the_twelfth  # type: ignore[method-assign]
+    with pytest.raises(Killed):
+        world.run()
+    before = journaled(path).get(request_id, -1)
+    assert before < seen[-1] - 1  # the burst's earlier steps are not in the journal
+    told = [s.message.steps[request_id] for s in world.sent if isinstance(s.message, StepsJournaled)]
+    assert max(told) <= before  # the verify lane never heard of a step the journal lacks
+    world.orchestrator_killed(deliver_in_flight=False)
+    assert world.hub.front.machine(request_id).step == before  # recovered from the commits only
+    world.run()
+    result = world.result(request_id)
+    assert result is not None and result.tokens == plain(model, PROMPTS[0])
+
+
+def test_a_burst_the_disk_cannot_commit_ends_its_requests_with_storage_full(model, tmp_path):
+    world = bursting(model, tmp_path / "journal.sqlite")
+    request_id = world.submit(PROMPTS[0], params=PARAMS, drafter="none")
+    world.run(until=3)
+    full = FullOnCommit(world.hub.journal.db)
+    world.hub.journal.db = full  # type: ignore[assignment]
+    before = journaled(tmp_path / "journal.sqlite").get(request_id, -1)
+    sends: list[Send] = []
+    on_burst = world.hub.on_burst
+    world.hub.on_burst = lambda msgs, now: sends.extend(out := on_burst(msgs, now)) or out  # type: ignore
+    world.run()
+    result = world.result(request_id)
+    assert result is not None and result.finish_reason == "storage_full"
+    assert journaled(tmp_path / "journal.sqlite").get(request_id, -1) == before  # nothing half-written
+    assert not any(isinstance(s.message, StepsJournaled) for s in sends)  # nothing acknowledged
+    assert world.hub.journal.take_failure()  # the storage guard hears of it
+    assert request_id not in world.verifier.requests  # its lanes' state is freed
+
+
+class FullOnCommit:
+    """A journal connection whose commits fail as on a full disk."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        if sql == "COMMIT":
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def test_a_journal_transaction_commits_once_nests_and_rolls_back_whole(tmp_path):
+    journal = Journal(tmp_path / "j.sqlite")
+    with journal.transaction():
+        journal.outbox_add("a", b"1")
+        with journal.transaction():  # joins the outer one
+            journal.fault(b"f")
+        assert journal.db.in_transaction
+    assert not journal.db.in_transaction
+    with pytest.raises(RuntimeError), journal.transaction():
+        journal.outbox_add("b", b"2")
+        raise RuntimeError
+    journal.db = FullOnCommit(journal.db)  # type: ignore[assignment]
+    with pytest.raises(StorageFull), journal.transaction():
+        journal.outbox_add("c", b"3")
+    journal.db = journal.db.db  # type: ignore[attr-defined]
+    assert [e for e, _ in journal.recover().outbox] == ["a"]
+    assert len(journal.recover().faults) == 1
+
+
+def step_event(request_id: str, step: int) -> StepEvent:
+    return StepEvent(
+        event_id=f"{request_id}:{step}", request_id=request_id, time=float(step), step=step, drafter="none",
+        k=0, drafted=[], emitted=[step], decisions=[], final_u=None, draws=step, batch_size=1,
+    )  # fmt: skip
+
+
+def test_batched_gathers_lone_audit_events_in_order_and_bounds_each_message():
+    events = [step_event("r", i) for i in range(BATCH_EVENTS + 3)]
+    other = Send("verify", StepsJournaled(steps={"r": 1}))
+    sends = [other, *(Send("audit", encode(e), (e.event_id,)) for e in events)]
+    out = batched(sends)
+    assert out[0] == other and [len(s.event_ids) for s in out[1:]] == [BATCH_EVENTS, 3]
+    assert batched(out) == out  # a batch is never batched again
+    assert batched(sends[:2]) == sends[:2]  # a lone event goes as it is
+    codec: Codec = Codec(AuditLaneInbox)
+    decoded = [codec.decode(s.message) for s in out[1:]]
+    assert all(isinstance(m, AuditBatch) for m in decoded)
+    assert unbatched(decoded) == events
+    assert [i for s in out[1:] for i in s.event_ids] == [e.event_id for e in events]
+
+
+def test_a_bad_event_in_a_batch_costs_only_itself_and_the_rest_are_stored_at_once(tmp_path):
+    """Well-formed msgpack that is no audit event (bytes that are not msgpack spoil the whole message)."""
+    good = [step_event("r", 0), step_event("r", 1)]
+    raw = [msgspec.Raw(encode(good[0])), msgspec.Raw(encode(StepsJournaled(steps={}))), msgspec.Raw(encode(good[1]))]
+    batch = Codec(AuditLaneInbox).decode(encode(AuditBatch(events=raw)))
+    events = unbatched([batch])
+    assert isinstance(events[1], BadMessage) and [events[0], events[2]] == good
+    store = AuditStore(tmp_path / "audit.sqlite")
+    assert store.add([events[0], events[2]]) == ["r:0", "r:1"]
+    assert store.events("r") == good
