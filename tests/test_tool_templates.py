@@ -85,3 +85,39 @@ def test_no_callable_tools_means_no_tools_in_the_prompt(tiny_tokenizer: Tokenize
 def test_tools_are_refused_by_a_template_that_does_not_render_them(tiny_tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match="does not render tools"):
         tiny_tokenizer.render_chat([{"role": "user", "content": "hi"}], tools=[])
+
+
+@pytest.mark.slow
+def test_a_pipeline_renders_tools_through_the_models_template(tmp_path: Path) -> None:
+    """End to end: the gateway's two forms cross to the orchestrator, which renders the structured one
+    through the served model's own template (the prompt it counts is that render's), and the call the
+    grammar forces comes back in OpenAI's shape."""
+    import openai
+
+    from pipeline.model import Model
+
+    from .pipeline_harness import running_pipeline
+    from .tinymodel import TinySpec, write_tiny_gguf
+    from .tinyspm import rewrite_gguf
+
+    write_tiny_gguf(tmp_path / "chat.gguf", TinySpec(context=1024))  # byte-level: a token a character
+    path = rewrite_gguf(tmp_path / "chat.gguf", tmp_path / "tools.gguf", chat_template=HERMES_TEMPLATE)
+    tokenizer = Model.load(path).tokenizer
+    assert tokenizer is not None and tokenizer.renders_tools
+    tools = [{"type": "function", "function": WEATHER}]
+    with running_pipeline(tmp_path / "run", [f"model.path={path}", "model.backend=native"]) as pipeline:
+        client = openai.OpenAI(base_url=f"{pipeline.gateway_url}/v1", api_key="unused", max_retries=0)
+        model = pipeline.config.model_id()
+        answer = client.chat.completions.create(
+            model=model, messages=HISTORY, tools=tools, tool_choice="required", max_tokens=64, temperature=0
+        )
+    structured = chat.to_submit(
+        chat.decode(json.dumps({"model": "m", "messages": HISTORY, "tools": tools}).encode()), "m"
+    )
+    assert structured.tool_messages is not None and structured.tools is not None
+    rendered = tokenizer.encode(tokenizer.render_chat(structured.tool_messages, tools=structured.tools))
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(rendered)
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"

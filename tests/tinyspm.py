@@ -68,18 +68,23 @@ def _add_spm_tokenizer(writer: Any, *, add_space_prefix: bool, chat_template: st
         writer.add_chat_template(chat_template)
 
 
-def rewrite_gguf(source: Path, target: Path, *, drop_chat_template: bool = True) -> Path:
-    """`source` (a tiny model file) copied to `target` without its chat template: a base model."""
+def rewrite_gguf(
+    source: Path, target: Path, *, drop_chat_template: bool = True, chat_template: str | None = None
+) -> Path:
+    """`source` (a tiny model file) copied to `target` without its chat template (a base model), or
+    with `chat_template` in its place."""
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(target), arch)
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        if drop_chat_template and name == "tokenizer.chat_template":
+        if (drop_chat_template or chat_template is not None) and name == "tokenizer.chat_template":
             continue
         sub = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for tensor in reader.tensors:
         shape = [int(n) for n in reversed(tensor.shape)]
         writer.add_tensor(tensor.name, tensor.data, raw_shape=shape, raw_dtype=tensor.tensor_type)
