@@ -109,6 +109,16 @@ def gemma3_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_served(tmp_path_factory: pytest.TempPathFactory, gemma3_file: Path):
+    """Gemma 3 270M on the backend `load_model` picks (the one users run), loaded once per run; its
+    prepared forms are made by one xdist worker while the others wait."""
+    from pipeline.model import load_model
+
+    with made_once(tmp_path_factory, "gemma3-served"):
+        return load_model(gemma3_file)
+
+
+@pytest.fixture(scope="session")
 def served_model(tmp_path_factory: pytest.TempPathFactory):
     """The default model on the backend a pipeline serves it with by default (`model.backend=auto`),
     with its t(rows) curve measured once per run (the verify lanes of tests' pipelines read it too)."""

@@ -23,7 +23,8 @@ from pipeline.model.llama import causal_mask, window_mask
 from . import test_model_forward as shapes
 from .tinymodel import TinySpec, local_layers, random_weights, reference_logits
 
-GEMMA = {"architecture": "gemma3", "head_size": 24, "sliding_window": 8}
+# Global base 1e6 as the real file: the local layers' family base (10000) must differ to be tested.
+GEMMA = {"architecture": "gemma3", "head_size": 24, "sliding_window": 8, "rope_theta": 1e6}
 FAMILY_SPECS = {
     # 3 layers, period 3: layers 0 and 1 local, 2 global; head_dim 24 with d_model 64
     "gemma3-mixed": TinySpec(**GEMMA, n_layers=3, swa_pattern=3, seed=20),
@@ -32,8 +33,8 @@ FAMILY_SPECS = {
     "gemma3-flags-q8_0": TinySpec(**GEMMA, n_layers=3, swa_pattern=(False, True, True), quant="Q8_0", seed=2),
     # Q4_K needs rows of 256: the Q4_K_M mix of Q4_K, Q6_K, Q5_0 and Q8_0, as the real file holds
     "gemma3-q4_k_m": TinySpec(
-        architecture="gemma3", head_size=32, sliding_window=8, swa_pattern=2, d_model=256, d_ff=256,
-        n_heads=2, n_kv_heads=1, quant="Q4_K_M", seed=23,
+        architecture="gemma3", rope_theta=1e6, head_size=32, sliding_window=8, swa_pattern=2, d_model=256,
+        d_ff=256, n_heads=2, n_kv_heads=1, quant="Q4_K_M", seed=23,
     ),
     "qwen3": TinySpec(architecture="qwen3", head_size=24, seed=24),
     "qwen3-q8_0-untied": TinySpec(architecture="qwen3", head_size=32, tied=False, quant="Q8_0", seed=25),
