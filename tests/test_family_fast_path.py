@@ -64,6 +64,16 @@ def test_one_token_at_a_time_equals_one_prefill_and_stays_bounded(gemma):
     assert np.array_equal(np.concatenate(got), want)
 
 
+def test_a_long_forward_grows_the_buffer_and_the_next_step_gives_it_back(gemma):
+    model, _, tokens, want = gemma
+    cache = model.new_cache()
+    model.forward(cache, tokens[:300])
+    assert cache.local_capacity >= 300
+    assert np.array_equal(model.forward(cache, tokens[300:301]), want[300:301])
+    assert cache.local_capacity == STEADY
+    assert np.array_equal(model.forward(cache, tokens[301:]), want[301:])
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 40), min_size=1, max_size=10),

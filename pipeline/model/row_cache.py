@@ -84,19 +84,23 @@ class RowCache(KVCache):
 
     def reserve(self, length: int) -> None:
         super().reserve(length)
-        if not self.n_local or length - self.base <= self.local_capacity:
+        # Room for the window, the margin and as much again, so a compaction moves about one position
+        # per token decoded; a forward of more rows (a prefill chunk) gets what it needs, given back
+        # at the next reserve that fits the steady size.
+        steady = 2 * (self.window + WINDOW_MARGIN)
+        oversized = self.local_capacity > steady
+        if not self.n_local or (length - self.base <= self.local_capacity and not oversized):
             return
         keep_from = max(self.base, self.length - (self.window - 1) - WINDOW_MARGIN)
-        held = self.length - keep_from
-        if length - keep_from <= self.local_capacity:  # compact in place: the kept tail to the front
+        held, need = self.length - keep_from, length - keep_from
+        if oversized and need <= steady:
+            self._alloc_local(steady, keep_from)
+        elif need <= self.local_capacity:  # compact in place: the kept tail to the front
             self.local_k[..., :held] = self.local_k[..., keep_from - self.base : self.length - self.base]
             self.local_v[:, :, :held] = self.local_v[:, :, keep_from - self.base : self.length - self.base]
             self.base = keep_from
-            return
-        # Room for the window, the margin and as much again, so a compaction moves about one position
-        # per token decoded; a forward of more rows (a prefill chunk) gets what it needs.
-        steady = 2 * (self.window + WINDOW_MARGIN)
-        self._alloc_local(max(length - keep_from, min(2 * self.local_capacity, steady)), keep_from)
+        else:
+            self._alloc_local(max(need, min(2 * self.local_capacity, steady)), keep_from)
 
     def first_needed(self, length: int) -> int:
         """The first position a query at `length` reads in the local layers."""
