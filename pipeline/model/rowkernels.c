@@ -156,6 +156,10 @@ INLINE void score_block_g(const float *const *q, const int G, const float *kt, i
         for (int j = 0; j < KEYS; j++) s[g][j] = 0.0f;
     for (int i = 0; i < hd; i++) {
         const float *krow = kt + (size_t)i * cap + j0;
+        /* The next block's keys in this row: head_dim rows far apart are more streams than the
+         * hardware prefetchers follow, and without this the loads wait on memory. */
+        __builtin_prefetch(krow + KEYS);
+        __builtin_prefetch(krow + KEYS + 16);
         float k[KEYS];
         if (width == KEYS)
             memcpy(k, krow, sizeof k);
@@ -195,6 +199,10 @@ INLINE void weigh_values_g(float *const *weights, const int G, const float *v, i
             for (int i = 0; i < VALUES; i++) acc[g][i] = 0.0f;
         for (int j = 0; j < n + n_tail; j++) {
             const float *vj = v + (size_t)(j < n ? j : tail[j - n]) * hd + c;
+            if (j + 8 < n) {
+                __builtin_prefetch(vj + 8 * (size_t)hd);
+                __builtin_prefetch(vj + 8 * (size_t)hd + 16);
+            }
             for (int g = 0; g < G; g++) {
                 float w = weights[g][j];
                 for (int i = 0; i < VALUES; i++) acc[g][i] = fmaf(w, vj[i], acc[g][i]);
