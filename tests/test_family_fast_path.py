@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.decoding.adaptive import K_LIMIT
+from pipeline.decoding.drafters.model import ModelSource
+from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.tree import path
 from pipeline.model import load_model
 from pipeline.model.row_cache import WINDOW_MARGIN
@@ -135,6 +137,18 @@ def test_prefix_reuse_copies_only_from_a_cache_that_still_holds_the_window(gemma
     assert best_holder(early, [holder]) == (None, 0)
     late = SimpleNamespace(tokens=[*tokens[:335], 5], fed=0, cache=model.new_cache())
     assert best_holder(late, [holder]) == (holder, 335)
+
+
+def test_a_windowed_draft_model_starts_over_where_its_cache_cannot_roll_back(gemma):
+    """A model drafter whose context parts from what it fed long before the window: its cache cannot
+    roll back that far, so it feeds the context again and drafts what a fresh drafter drafts."""
+    model, _, tokens, _ = gemma
+    drafter = ModelSource(model, model).start(tokens[:10], SamplingParams(max_tokens=8), seed=1)
+    drafter.propose(tokens[:300], 4)
+    assert drafter.cache.base > 0
+    other = [*tokens[:100], 9, 9, 9]
+    fresh = ModelSource(model, model).start(tokens[:10], SamplingParams(max_tokens=8), seed=1)
+    assert drafter.propose(other, 4).tokens == fresh.propose(other, 4).tokens
 
 
 @st.composite

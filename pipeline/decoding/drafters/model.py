@@ -49,7 +49,11 @@ class ModelDrafter:
         limit = min(len(self.fed), len(context))
         while common < limit and self.fed[common] == context[common]:
             common += 1
-        self.cache.truncate(common)
+        try:
+            self.cache.truncate(common)
+        except ValueError:  # a sliding-window draft cache (Gemma 3) no longer holds what `common` reads
+            common = 0
+            self.cache.truncate(0)
         del self.fed[common:]
 
     def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
