@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.bench.agreement import margin, parting, perplexity, teacher_forced
 from pipeline.model.default import GEMMA3_SHA256
 
 from .conftest import made_once
@@ -34,7 +35,6 @@ from .conftest import made_once
 FIXTURE = Path(__file__).parent / "fixtures" / "gemma3_llama_cpp.json"
 ANSWERS = json.loads(FIXTURE.read_text())
 PROMPTS = range(len(ANSWERS["rows"]))
-CHUNK = 128  # rows of 262,144 logits per forward in the perplexity pass
 # The oracle against llama.cpp on the float32 copy measured 64 of 64 tokens the same on every
 # prompt, first-position logits within 0.013 (scale 20-32) and perplexity within 0.01%.
 EXACT = {"near_tie": 0.05, "first_logits": 0.05, "perplexity": 0.001}
@@ -55,11 +55,6 @@ def oracle(tmp_path_factory, gemma3_file):
         return Model.load(gemma3_file)
 
 
-def margin(logits: np.ndarray) -> float:
-    top2 = np.sort(logits)[-2:]
-    return float(top2[1] - top2[0])
-
-
 def test_the_fixture_is_of_the_shipped_file():
     assert ANSWERS["model_sha256"] == GEMMA3_SHA256
     for rows in (ANSWERS["rows"], ANSWERS["f32"]["rows"]):
@@ -67,35 +62,21 @@ def test_the_fixture_is_of_the_shipped_file():
         assert all(len(row["tokens"]) == len(row["margins"]) == 64 for row in rows)
 
 
-def teacher_forced(model, row) -> tuple[np.ndarray, int | None]:
+def forced(model, row) -> tuple[np.ndarray, int | None]:
     """The logits that choose each of llama.cpp's greedy tokens, and where our argmax first differs."""
-    prompt, tokens = row["prompt_ids"], row["tokens"]
-    cache = model.new_cache(capacity=len(prompt) + len(tokens))
-    logits = model.forward(cache, [*prompt, *tokens[:-1]])[len(prompt) - 1 :]
-    parted = next((i for i, (a, b) in enumerate(zip(logits.argmax(-1), tokens, strict=True)) if a != b), None)
-    return logits, parted
+    logits = teacher_forced(model, row["prompt_ids"], row["tokens"])
+    return logits, parting(logits.argmax(-1).tolist(), row["tokens"])
 
 
 def first_logits_delta(logits: np.ndarray, row) -> float:
     return float(np.abs(logits[0][np.array(row["first_top_ids"])] - np.array(row["first_top_logits"])).max())
 
 
-def perplexity(model, tokens: list[int]) -> float:
-    cache, nll = model.new_cache(capacity=len(tokens)), 0.0
-    for start in range(0, len(tokens) - 1, CHUNK):
-        block = tokens[start : min(start + CHUNK, len(tokens) - 1)]
-        z = model.forward(cache, block).astype(np.float64)
-        z -= z.max(axis=-1, keepdims=True)
-        log_probs = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-        nll -= log_probs[np.arange(len(block)), tokens[start + 1 : start + 1 + len(block)]].sum()
-    return float(np.exp(nll / (len(tokens) - 1)))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("index", PROMPTS)
 def test_oracle_matches_llama_cpp_on_float32_weights(oracle, index):
     row = ANSWERS["f32"]["rows"][index]
-    logits, parted = teacher_forced(oracle, row)
+    logits, parted = forced(oracle, row)
     if parted is not None:  # only a true tie may part them
         at = (parted, margin(logits[parted]), row["margins"][parted])
         assert max(at[1:]) < EXACT["near_tie"], f"parted at {at[0]}, margins ours/llama.cpp {at[1:]}"
@@ -112,7 +93,7 @@ def test_oracle_perplexity_matches_llama_cpp_on_float32_weights(oracle):
 @pytest.mark.parametrize("index", PROMPTS)
 def test_runtime_greedy_tokens_and_first_logits_match_llama_cpp(gemma3_served, index):
     row = ANSWERS["rows"][index]
-    logits, parted = teacher_forced(gemma3_served, row)
+    logits, parted = forced(gemma3_served, row)
     if parted is not None:
         at = (parted, margin(logits[parted]), row["margins"][parted])
         assert sum(at[1:]) < QUANTIZED["flip"], f"parted at {at[0]}, margins ours/llama.cpp {at[1:]}"

@@ -42,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.bench.agreement import greedy, margin, parting, perplexity, teacher_forced  # noqa: E402
 from pipeline.bench.model_bench import QUALITY_TEXT  # noqa: E402
 from pipeline.model import load_model  # noqa: E402
 from pipeline.model.default import gemma3_path  # noqa: E402
@@ -50,7 +51,6 @@ from pipeline.model.store import cache_root  # noqa: E402
 FIXTURE = ROOT / "tests" / "fixtures" / "gemma3_llama_cpp.json"
 NEAR_TIE = 0.1
 TOP = 64  # the first position's logits kept in the fixture: llama.cpp's top 64
-CHUNK = 128  # perplexity's forward block: 128 rows of 262,144 logits are 128 MiB
 PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village at the edge of the forest,",
@@ -133,45 +133,6 @@ def dequantized_copy(path: Path) -> Path:
     writer.close()
     staging.rename(target)
     return target
-
-
-def margin(logits: np.ndarray) -> float:
-    top2 = np.sort(logits)[-2:]
-    return float(top2[1] - top2[0])
-
-
-def greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float], np.ndarray]:
-    """n greedy tokens decoded one at a time, as a user's request is, with each step's margin."""
-    cache = model.new_cache(capacity=len(prompt) + n)
-    logits = model.forward(cache, prompt, all_logits=False)[-1]
-    first, tokens, margins = logits.copy(), [], []
-    for _ in range(n):
-        tokens.append(int(np.argmax(logits)))
-        margins.append(margin(logits))
-        logits = model.forward(cache, [tokens[-1]])[-1]
-    return tokens, margins, first
-
-
-def teacher_forced(model: Any, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """The logits that choose each of `tokens` after `prompt`, in one block: (len(tokens), vocab)."""
-    cache = model.new_cache(capacity=len(prompt) + len(tokens))
-    return model.forward(cache, [*prompt, *tokens[:-1]])[len(prompt) - 1 :]
-
-
-def parting(ours: list[int], theirs: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
-
-
-def perplexity(model: Any, tokens: list[int]) -> float:
-    """exp of the mean negative log-likelihood of tokens[1:], the logits taken CHUNK rows at a time."""
-    cache, nll = model.new_cache(capacity=len(tokens)), 0.0
-    for start in range(0, len(tokens) - 1, CHUNK):
-        block = tokens[start : min(start + CHUNK, len(tokens) - 1)]
-        z = model.forward(cache, block).astype(np.float64)
-        z -= z.max(axis=-1, keepdims=True)
-        log_probs = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-        nll -= log_probs[np.arange(len(block)), tokens[start + 1 : start + 1 + len(block)]].sum()
-    return float(np.exp(nll / (len(tokens) - 1)))
 
 
 def run_side(

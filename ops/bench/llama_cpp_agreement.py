@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pipeline.bench.agreement import greedy
 from pipeline.bench.common import WORKLOADS
 from pipeline.bench.pipeline_bench import LOAD_PROMPTS
 from pipeline.model import default_model_path, load_model
@@ -55,22 +56,6 @@ def requantized_default(kind: str = "Q4_K_M") -> Path:
     subprocess.run(command, check=True, capture_output=True)
     staging.rename(target)
     return target
-
-
-def margin(logits: np.ndarray) -> float:
-    top2 = np.sort(logits)[-2:]
-    return float(top2[1] - top2[0])
-
-
-def speclanes_greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float], np.ndarray]:
-    cache = model.new_cache(capacity=len(prompt) + n)
-    logits = model.forward(cache, prompt, all_logits=False)[-1]
-    first, tokens, margins = logits.copy(), [], []
-    for _ in range(n):
-        tokens.append(int(np.argmax(logits)))
-        margins.append(margin(logits))
-        logits = model.forward(cache, [tokens[-1]])[-1]
-    return tokens, margins, first
 
 
 def llama_cpp_greedy(path: Path, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
@@ -109,7 +94,7 @@ def compare(path: Path, n: int) -> dict[str, Any]:
     peers = llama_cpp_greedy(path, prompts, n)
     rows = []
     for text, prompt, peer in zip(PROMPTS, prompts, peers, strict=True):
-        tokens, margins, first = speclanes_greedy(model, prompt, n)
+        tokens, margins, first = greedy(model, prompt, n)
         exact = reference.forward(reference.new_cache(len(prompt)), prompt, all_logits=False)[-1]
         parted = next(
             (i for i, (a, b) in enumerate(zip(tokens, peer["tokens"], strict=True)) if a != b), None
