@@ -3,8 +3,8 @@
 Everything it receives (replies and acks on the data inbox, lane news on the control inbox,
 client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
 goes out on the lane's Push socket. Sends to the verify lane keep their order and never
-block the loop; audit events sent together go as one AuditBatch, and one that cannot be handed
-over now is given back to the hub (its events are re-sent later). The verify lane drives the
+block the loop; audit events are held until the next tick and go as one AuditBatch, and one that
+cannot be handed over now is given back to the hub (its events are re-sent later). The verify lane drives the
 decode loops: this process journals, streams and audits the steps it decides, and tells it how far
 the journal has got. A Submit's prompt is tokenized in a worker thread (`Hub.admit`), so a long
 prompt delays only its own request, never the loop; so are `Tokenize` and `Detokenize`. A
@@ -83,6 +83,7 @@ class OrchestratorLane:
             for name in ("verify", "audit")
         }
         self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
+        self.audit_held: list[Send] = []  # audit events until the next tick sends them together
         self.queued_for_verify = 0
         self.wakeups: dict[str, trio.Event] = {}
         self.codec: Codec[Any] = Codec(ClientRequest)
@@ -93,19 +94,31 @@ class OrchestratorLane:
         return trio.current_time()
 
     def dispatch(self, sends: list[Send]) -> None:
-        for send in batched(sends):
+        for send in sends:
+            if send.lane == "audit":
+                self.audit_held.append(send)  # sent with the next tick's (`send_audit`)
+                continue
             if send.lane == "verify":
                 if self.queued_for_verify or not self.outboxes["verify"].put_nowait(send.message):  # type: ignore[arg-type]
                     self.queued_for_verify += 1
                     self.verify_queue.send_nowait(send)
                 continue
-            data = send.message if isinstance(send.message, bytes) else encode(send.message)
-            if not self.outboxes[send.lane].put_bytes_nowait(data):
-                self.dispatch(self.hub.send_failed(send, self.now()))
         for request_id in self.hub.changed:
             if (event := self.wakeups.pop(request_id, None)) is not None:
                 event.set()
         self.hub.changed.clear()
+
+    def send_audit(self) -> None:
+        """The audit events held since the last tick, as few AuditBatch messages. Why held: one message
+        a tick wakes the audit lane (and its commit, span and acknowledgement) 20 times a second at most,
+        where one a burst of steps woke it for every one or two tokens, on the forward's cores. They are
+        in the journal's outbox meanwhile, so a crash loses none. One the socket cannot take now is
+        given back to the hub, which sends its events again."""
+        held, self.audit_held = batched(self.audit_held), []
+        for send in held:
+            data = send.message if isinstance(send.message, bytes) else encode(send.message)
+            if not self.outboxes[send.lane].put_bytes_nowait(data):
+                self.dispatch(self.hub.send_failed(send, self.now()))
 
     async def send_to_verify(self) -> None:
         """In order. A lane that takes nothing for `timeouts.send` is logged and the message
@@ -141,7 +154,7 @@ class OrchestratorLane:
     async def receive_data(self, inbox: Inbox) -> None:
         """Decided steps in bursts: everything the inbox holds at once is journaled in one
         transaction (`Hub.on_burst`); then one StepsJournaled tells the verify lane how far the
-        journal has got, one AuditBatch takes the burst's events, and the polls waiting on it wake."""
+        journal has got and the polls waiting on it wake (its audit events go with the next tick)."""
         while True:
             self.guarded(self.hub.on_burst, [await inbox.next(), *inbox.ready()])
 
@@ -149,6 +162,7 @@ class OrchestratorLane:
         while True:
             await trio.sleep(TICK_SECONDS)
             self.guarded(self.hub.tick)
+            self.send_audit()
             if failure := self.hub.journal.take_failure():
                 self.storage.failed(failure)
             self.storage.check(self.now(), self.hub.journal.probe)

@@ -19,7 +19,7 @@ from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model import default_model_path, load_model
 from pipeline.model.calibration import stored_row_seconds
-from pipeline.protocol.messages import DraftRequest, VerifyInbox
+from pipeline.protocol.messages import DraftRequest, Reported, VerifyInbox
 from pipeline.protocol.transport import Inbox, Outbox
 from pipeline.workers.driver import Out
 from pipeline.workers.verifier import Verifier, runtime_report
@@ -59,15 +59,20 @@ class VerifyLane:
                 await trio.sleep(run.report_pause_seconds)  # their readers run now, not inside a forward
 
     async def report(self) -> None:
+        """Everything decided since the last report, as one message (one a step cost the orchestrator
+        a wake-up each)."""
         out, self.reported = self.reported, []
-        for item in out:
-            if self.results.put_nowait(item.message):
-                continue
-            try:  # the orchestrator is slow to take it: back-pressure, as run-ahead would give anyway
-                await self.results.put(item.message, timeout=self.config.timeouts.send)
-            except trio.TooSlowError:  # lost: the orchestrator re-primes the request from its journal
-                message = "the orchestrator did not take a decided step"
-                self.lane.fault("timeout", message, item.message.request_id)
+        if not out:
+            return
+        messages = [item.message for item in out]
+        report = messages[0] if len(messages) == 1 else Reported(messages=messages)  # type: ignore[arg-type]
+        if self.results.put_nowait(report):
+            return
+        try:  # the orchestrator is slow to take it: back-pressure, as run-ahead would give anyway
+            await self.results.put(report, timeout=self.config.timeouts.send)
+        except trio.TooSlowError:  # lost: the orchestrator re-primes the requests from its journal
+            for request_id in dict.fromkeys(m.request_id for m in messages):
+                self.lane.fault("timeout", "the orchestrator did not take a decided step", request_id)
 
     async def receive(self, messages: list) -> None:
         out: list[Out] = []

@@ -18,7 +18,7 @@ from pipeline.model import Runtime
 from pipeline.model.draft_head import DraftHead
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.observability.process_stats import ProcessStats
-from pipeline.orchestration.effects import Send
+from pipeline.orchestration.effects import Send, batched
 from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import Journal
 from pipeline.orchestration.lane_table import LaneTable
@@ -36,6 +36,7 @@ from pipeline.protocol.messages import (
     Heartbeat,
     LaneDown,
     LaneFailed,
+    Reported,
     SpeculativeState,
     Submit,
     Submitted,
@@ -166,16 +167,20 @@ class World:
     # --- moving messages --------------------------------------------------------------------
 
     def feed(self, sends: list[Send]) -> None:
-        self.in_flight.extend(sends)
+        """The hub's sends on their way, audit events batched as the lane process batches them."""
+        self.in_flight.extend(batched(sends))
 
     def reply(self, message: msgspec.Struct) -> None:
         """One message into the orchestrator's data inbox, taken at once (a burst of one)."""
         self.replies([message])
 
     def replies(self, messages: list[msgspec.Struct]) -> None:
-        """Messages the orchestrator's data inbox holds at once: one burst, one journal transaction."""
+        """Messages the orchestrator's data inbox holds at once: one burst, one journal transaction
+        (several steps in one `Reported`, as the verify lane reports them)."""
         if self.orchestrator_dead or not messages:
             return
+        if len(messages) > 1:
+            messages = [Reported(messages=messages)]  # type: ignore[arg-type]
         self.feed(self.hub.on_burst([REPLIES.decode(encode(m)) for m in messages], self.now))
 
     def from_verify_lane(self, out: list[Out]) -> None:

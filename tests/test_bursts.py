@@ -6,6 +6,7 @@ one burst, as the verify lane's 20 ms reports hold them."""
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pipeline.decoding.speculative import decode
 from pipeline.model import Model
 from pipeline.model.prompts import prompt_tokens
 from pipeline.orchestration.effects import BATCH_EVENTS, Send, batched
+from pipeline.orchestration.hub import unreported
 from pipeline.orchestration.journal import Journal
 from pipeline.orchestration.storage import StorageFull
 from pipeline.protocol.messages import (
@@ -76,7 +78,7 @@ def test_bursts_give_the_plain_tokens_and_acknowledge_only_committed_steps(model
 
     def checked(msgs, now):
         sends = on_burst(msgs, now)
-        sizes.append(sum(isinstance(m, Decided) for m in msgs))
+        sizes.append(sum(isinstance(m, Decided) for m in unreported(msgs)))
         committed = journaled(tmp_path / "journal.sqlite")
         for send in sends:
             if isinstance(send.message, StepsJournaled):
@@ -203,10 +205,27 @@ def test_batched_gathers_lone_audit_events_in_order_and_bounds_each_message():
 def test_a_bad_event_in_a_batch_costs_only_itself_and_the_rest_are_stored_at_once(tmp_path):
     """Well-formed msgpack that is no audit event (bytes that are not msgpack spoil the whole message)."""
     good = [step_event("r", 0), step_event("r", 1)]
-    raw = [msgspec.Raw(encode(good[0])), msgspec.Raw(encode(StepsJournaled(steps={}))), msgspec.Raw(encode(good[1]))]
+    stranger = encode(StepsJournaled(steps={}))
+    raw = [msgspec.Raw(encode(good[0])), msgspec.Raw(stranger), msgspec.Raw(encode(good[1]))]
     batch = Codec(AuditLaneInbox).decode(encode(AuditBatch(events=raw)))
     events = unbatched([batch])
     assert isinstance(events[1], BadMessage) and [events[0], events[2]] == good
     store = AuditStore(tmp_path / "audit.sqlite")
     assert store.add([events[0], events[2]]) == ["r:0", "r:1"]
     assert store.events("r") == good
+
+
+def test_the_verify_lane_hears_of_the_journal_every_half_run_ahead_and_never_waits_for_it(model, tmp_path):
+    """One step a burst (a slow machine's case): StepsJournaled goes once the journal is half the
+    run-ahead past what the lane heard, not after every step, and the request still runs to its end
+    with no tick (no driver held at the run-ahead for want of news)."""
+    world = World(model)
+    world.up()
+    request_id = world.submit(PROMPTS[0], params=PARAMS, drafter="none")
+    world.run()
+    result = world.result(request_id)
+    assert result is not None and result.tokens == plain(model, PROMPTS[0])
+    told = [s.message.steps[request_id] for s in world.sent if isinstance(s.message, StepsJournaled)]
+    half = world.config.run.run_ahead // 2
+    assert told[0] == 0 and all(b - a >= half for a, b in itertools.pairwise(told))
+    assert len(told) <= result.stats.steps // half + 1

@@ -17,7 +17,9 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.messages import (
     PROTOCOL,
     AuditAck,
+    AuditBatch,
     AuditInbox,
+    AuditLaneInbox,
     BadMessage,
     Cancel,
     Chunk,
@@ -46,6 +48,7 @@ from pipeline.protocol.messages import (
     MetricsReport,
     Open,
     Poll,
+    Reported,
     RequestOpened,
     Rows,
     Shutdown,
@@ -71,6 +74,7 @@ UNIONS = {
     "VerifyInbox": VerifyInbox,
     "DraftInbox": DraftInbox,
     "AuditInbox": AuditInbox,
+    "AuditLaneInbox": AuditLaneInbox,
     "DataInbox": DataInbox,
     "ControlInbox": ControlInbox,
     "ClientRequest": ClientRequest,
@@ -308,6 +312,16 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
 }
 
 
+# A verify-lane report and an audit batch hold other messages (the batch as their encoded bytes).
+STRATEGIES[Reported] = st.builds(
+    Reported, messages=st.lists(STRATEGIES[Decided] | STRATEGIES[StepFailed], min_size=1, max_size=3)
+)
+audit_events = st.lists(st.one_of(*(STRATEGIES[kind] for kind in typing.get_args(AuditInbox))), max_size=3)
+STRATEGIES[AuditBatch] = st.builds(
+    AuditBatch, events=audit_events.map(lambda events: [msgspec.Raw(encode(e)) for e in events])
+)
+
+
 def union_messages(union: object) -> st.SearchStrategy:
     return st.one_of(*(STRATEGIES[kind] for kind in members(union)))
 
@@ -315,7 +329,7 @@ def union_messages(union: object) -> st.SearchStrategy:
 def test_every_union_member_has_a_strategy():
     every = {kind for union in UNIONS.values() for kind in members(union)}
     assert every == set(STRATEGIES)
-    assert len(every) == 33  # Close goes to the verify and the draft lane
+    assert len(every) == 35  # Close goes to the verify and the draft lane
 
 
 # --- round trips ----------------------------------------------------------------------

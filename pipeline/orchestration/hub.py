@@ -41,7 +41,6 @@ from pipeline.orchestration.effects import (
     Record,
     Send,
     Stepped,
-    batched,
 )
 from pipeline.orchestration.front import ClientFront, unknown
 from pipeline.orchestration.journal import Journal, OpenedRecord
@@ -63,6 +62,7 @@ from pipeline.protocol.messages import (
     FaultKind,
     LaneDown,
     LaneFailed,
+    Reported,
     RequestOpened,
     Shutdown,
     SpeculativeEvent,
@@ -90,6 +90,7 @@ class Hub:
         self.closing = Closing()  # the supervisor is stopping the pipeline (closing.py)
         self.queue = AdmissionQueue(config.admission)
         self.journaled: dict[str, int] = {}  # steps journaled since the verify lane was last told
+        self.told: dict[str, int] = {}  # the last journaled step the verify lane heard of, per request
         tracing.cache_capacity(context_length * config.admission.max_running)  # the KV-cache gauge's
 
     # --- clients ----------------------------------------------------------------------
@@ -198,6 +199,8 @@ class Hub:
     # --- inboxes ----------------------------------------------------------------------
 
     def on_data(self, msg: DataInbox | BadMessage, now: float) -> list[Send]:
+        if isinstance(msg, Reported):  # several steps in one message: `on_burst` takes them apart
+            return self.on_burst([msg], now)
         if isinstance(msg, BadMessage):
             return self._raise("bad_request", "orchestrator", f"data inbox: {msg}", None, now)
         if isinstance(msg, AuditAck):
@@ -208,16 +211,17 @@ class Hub:
         return self._run(machine, machine.on_reply(msg, now), now)
 
     def on_burst(self, msgs: list[DataInbox | BadMessage], now: float) -> list[Send]:
-        """What the data inbox held at once (decided steps of several requests, acknowledgements),
-        journaled in one transaction. Every send comes back only after its commit: StepsJournaled
-        and the audit events (one AuditBatch) never speak of a step the journal could still lose, and
-        the lane process wakes the polls that show them only then. A commit the disk cannot take
-        loses the whole burst's steps: the requests they belong to end with `storage_full`, as one
-        whose step the journal refused."""
+        """What the data inbox held at once (decided steps of several requests, each verify-lane
+        report's in one `Reported`, and acknowledgements), journaled in one transaction. Every send
+        comes back only after its commit: StepsJournaled and the audit events never speak of a step
+        the journal could still lose, and the lane process wakes the polls that show them only then.
+        A commit the disk cannot take loses the whole burst's steps: the requests they belong to end
+        with `storage_full`, as one whose step the journal refused."""
         sends: list[Send] = []
+        before = dict(self.journaled)
         try:
             with self.journal.transaction():
-                for msg in msgs:
+                for msg in unreported(msgs):
                     try:
                         sends += self.on_data(msg, now)
                     except StorageFull:
@@ -226,21 +230,29 @@ class Hub:
                         log.exception("orchestrator core failed on %s", type(msg).__name__)
         except StorageFull as exc:
             log.warning("the journal could not commit a burst of steps: %s", exc)
-            lost, self.journaled = list(self.journaled), {}
+            lost = [r for r, step in self.journaled.items() if before.get(r) != step]
+            self.journaled = {r: step for r, step in before.items() if r not in lost}
             for request_id in lost:
                 if (machine := self.front.machine(request_id)) is not None:
                     sends += self._run(machine, machine.cancel(now, "storage_full"), now)
         if (told := self.journaled_steps()) is not None:
             sends.append(told)
-        return batched(sends)
+        return sends
 
-    def journaled_steps(self) -> Send | None:
+    def journaled_steps(self, force: bool = False) -> Send | None:
         """What the verify lane must hear of the journal: each request's last journaled step since it
-        was last told (the lane process sends it once its data inbox is drained, so one message
-        acknowledges a burst of steps)."""
+        was last told. Not after every burst: only once some request's journal is half its run-ahead
+        past what the lane last heard (or a first step), or when `force`d (every tick). A driver holds
+        only `run.run_ahead` steps past what it heard, so it never waits on this, and a burst of one
+        or two steps costs both processes a message less."""
         if not self.journaled:
             return None
+        half = max(1, self.config.run.run_ahead // 2)
+        told = self.told
+        if not force and all(r in told and step - told[r] < half for r, step in self.journaled.items()):
+            return None
         steps, self.journaled = self.journaled, {}
+        told.update(steps)
         return Send("verify", StepsJournaled(steps=steps))
 
     def on_control(self, msg: ControlInbox | BadMessage, now: float) -> list[Send]:
@@ -284,6 +296,8 @@ class Hub:
         for lane in self.lanes.stalled(now, self.config.restart.hang_seconds):
             message = f"no heartbeat for {self.config.restart.hang_seconds:g} s: not counted as up"
             sends += self._raise("timeout", lane, message, None, now)
+        if (told := self.journaled_steps(force=True)) is not None:
+            sends.append(told)
         return sends + self.ledger.due(now)
 
     def send_failed(self, send: Send, now: float) -> list[Send]:
@@ -329,6 +343,8 @@ class Hub:
     def _finished(self, machine: RequestMachine, now: float) -> list[Send]:
         result = machine.result
         assert result is not None
+        self.told.pop(machine.id, None)  # its driver is closed: nothing more to tell it
+        self.journaled.pop(machine.id, None)
         self.front.finished(machine.id, now)
         self.journal.finished(machine.id, result, time.time())
         self.tracing.end(result, now - machine.who.started)
@@ -403,3 +419,8 @@ def death_message(msg: LaneDown | LaneFailed) -> str:
     if isinstance(msg, LaneFailed):
         return f"pid {msg.pid} exited with {msg.returncode}, {msg.restarts} restarts: {msg.reason}"
     return f"pid {msg.pid} exited with {msg.returncode}; restarting"
+
+
+def unreported(msgs: list[DataInbox | BadMessage]) -> list[DataInbox | BadMessage]:
+    """`msgs` with each verify-lane report taken apart into its steps, in order."""
+    return [m for got in msgs for m in (got.messages if isinstance(got, Reported) else [got])]

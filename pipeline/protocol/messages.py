@@ -246,6 +246,14 @@ class StepFailed(Work, frozen=True, kw_only=True):
     message: str
 
 
+class Reported(Message, frozen=True, kw_only=True):
+    """The verify lane's report of a burst: every step it decided (and every failure) since its last
+    report, in order, as one message. One a step cost both processes a wake-up and a socket round
+    each, on the cores the forward runs on."""
+
+    messages: list[Decided | StepFailed]
+
+
 class AuditAck(Message, frozen=True, kw_only=True):
     event_ids: list[str]
 
@@ -520,7 +528,7 @@ VerifyInbox = Open | Close | StepsJournaled | Drafted
 DraftInbox = DraftRequest | Close
 AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
 AuditLaneInbox = AuditInbox | AuditBatch  # what the audit lane's socket takes (AuditInbox: what it stores)
-DataInbox = Decided | StepFailed | AuditAck
+DataInbox = Decided | StepFailed | Reported | AuditAck
 ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
 ClientRequest = Submit | Poll | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize
 ClientReply = Submitted | Chunks | ErrorReply | StatusReport | MetricsReport | Tokens | Text
