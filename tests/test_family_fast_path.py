@@ -123,6 +123,10 @@ def test_adopting_a_prefix_copies_the_window_or_is_refused(gemma):
     assert np.array_equal(model.forward(copy, tokens[length:]), want[length:])
     with pytest.raises(ValueError, match="local layers"):
         model.new_cache().adopt(source, 100)
+    empty = model.new_cache()
+    empty.adopt(source, 0)  # nothing to copy: always possible
+    assert (empty.length, empty.base) == (0, 0)
+    assert np.array_equal(model.forward(empty, tokens[:30]), want[:30])
 
 
 def test_prefix_reuse_copies_only_from_a_cache_that_still_holds_the_window(gemma):

@@ -122,7 +122,8 @@ class RowCache(KVCache):
     def lends(self, length: int) -> bool:
         """Whether `adopt(self, length)` can copy positions [0, length): a local buffer that has
         dropped keys position `length` reads cannot (the caller prefills instead)."""
-        return 0 <= length <= self.length and (not self.n_local or self.base <= self.first_needed(length))
+        held = not self.n_local or length == 0 or self.base <= self.first_needed(length)
+        return 0 <= length <= self.length and held
 
     def adopt(self, source: KVCache, length: int) -> None:
         """The reference's `adopt` (a prompt prefix another sequence computed), for both buffers;
@@ -139,7 +140,7 @@ class RowCache(KVCache):
         self.k[..., :length] = source.k[..., :length]
         self.v[:, :, :length] = source.v[:, :, :length]
         if self.n_local:
-            keep_from = max(source.base, length - (self.window - 1) - WINDOW_MARGIN, 0)
+            keep_from = max(source.base, length - (self.window - 1) - WINDOW_MARGIN, 0) if length else 0
             if length - keep_from > self.local_capacity:
                 self._alloc_local(length - keep_from, 0)
             self.base = keep_from
@@ -150,6 +151,10 @@ class RowCache(KVCache):
 
     def keep(self, start: int, slots: Sequence[int]) -> None:
         """The reference's tree compaction, in both buffers (a local slot is position - base)."""
+        if self.n_local and start < self.base:
+            raise ValueError(
+                f"tree rows from {start} are not in a local buffer holding positions from {self.base} on"
+            )
         super().keep(start, slots)
         if self.n_local:
             rows = np.asarray(slots, dtype=np.int64)
