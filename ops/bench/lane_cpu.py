@@ -8,14 +8,15 @@ runs on a quiet machine.
 
 It starts a private pipeline (`running_pipeline`: a temporary run directory, no gateway), warms it
 with one short request, then streams `--tokens` greedy tokens with drafter `none` and EOS ignored,
-`--repeats` times, reading each process's utime + stime from /proc before and after each stream
-(the supervisor, the four lanes, this process as the client, and the machine's other work).
+`--repeats` times (`--clients N`: N streams at once, each its own prompt and client), reading each
+process's utime + stime from /proc before and after each round (the supervisor, the four lanes,
+this process as the client, and the machine's other work).
 Heartbeats, ticks and polls cost CPU by the second whether tokens flow or not, so on a busy machine
 (fewer tokens a second) the gross figure grows; `net` first measures each process idle for
 `--idle-seconds` and takes that rate times the stream's duration off, leaving what the tokens cost.
 Run from the repository's root:
 
-    .venv/bin/python ops/bench/lane_cpu.py [--tokens 1000] [--repeats 3] [--set KEY=VALUE ...] [--json]
+    .venv/bin/python ops/bench/lane_cpu.py [--tokens 1000] [--repeats 3] [--clients 1] [--set K=V] [--json]
 
 To compare two commits side by side, run the script of each from its own worktree, alternating.
 """
@@ -27,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from pipeline.bench.common import (
     running_pipeline,
     via_pipeline,
 )
+from pipeline.bench.pipeline_bench import LOAD_PROMPTS
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.client import Client
 
@@ -68,18 +71,36 @@ def idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
     return {name: used / seconds for name, used in spent(before, cpu_snapshot(pids)).items()}
 
 
-def one_stream(client: Client, pids: dict[str, int], text: str, tokens: int, idle: dict[str, float]) -> dict:
-    """One long stream; CPU ms per token of each process (gross, and net of its idle rate), and tok/s
-    with the load it ran under."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+def streams(address: str, texts: list[str], tokens: int) -> tuple[list[list[int]], float]:
+    """One stream per text, all at once (a client each); their tokens and the wall time of all."""
+    params, outputs = SamplingParams(max_tokens=tokens, ignore_eos=True), [[] for _ in texts]
+
+    def work(index: int) -> None:
+        with Client(address, timeout=120.0) as client:
+            outputs[index] = via_pipeline(client, texts[index], params, "none")["tokens"]
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outputs, time.perf_counter() - start
+
+
+def one_stream(
+    address: str, pids: dict[str, int], texts: list[str], tokens: int, idle: dict[str, float]
+) -> dict:
+    """Streams at once (one, or a client each); CPU ms per token of each process (gross, and net of its
+    idle rate), and tok/s with the load it ran under."""
     before = cpu_snapshot(pids)
-    run = via_pipeline(client, text, params, "none")
-    used, count, seconds = spent(before, cpu_snapshot(pids)), len(run["tokens"]), run["seconds"]
+    outputs, seconds = streams(address, texts, tokens)
+    used, count = spent(before, cpu_snapshot(pids)), sum(len(o) for o in outputs)
     net = {k: max(0.0, v - idle.get(k, 0.0) * seconds) for k, v in used.items() if k != "others"}
     return {
         "tokens": count, "seconds": seconds, "tokens_per_second": count / seconds, "load": load_note(),
         "cpu_ms_per_token": {k: 1000.0 * v / count for k, v in used.items()},
-        "net_cpu_ms_per_token": {k: 1000.0 * v / count for k, v in net.items()}, "output": run["tokens"],
+        "net_cpu_ms_per_token": {k: 1000.0 * v / count for k, v in net.items()}, "output": outputs,
     }  # fmt: skip
 
 
@@ -103,11 +124,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=1000, help="new tokens per stream (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=3, help="streams, each measured on its own")
     parser.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
+    parser.add_argument("--clients", type=int, default=1, help="concurrent streams (distinct prompts)")
     parser.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU measured first (0: none)")
     parser.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for the pipeline")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
     runs = []
+    texts = [WORKLOADS[args.workload], *LOAD_PROMPTS][: args.clients]
     with running_pipeline(args.set) as config, Client(config.addresses.client, timeout=60.0) as client:
         via_pipeline(client, "Hello.", SamplingParams(max_tokens=16, ignore_eos=True), "none")  # warm
         pids = lane_pids(client.status())
@@ -116,13 +139,14 @@ def main() -> int:
         idle = idle_rates(pids, args.idle_seconds)
         for _ in range(args.repeats):
             time.sleep(0.2)
-            runs.append(one_stream(client, pids, WORKLOADS[args.workload], args.tokens, idle))
-    outputs = {tuple(r.pop("output")) for r in runs}
+            runs.append(one_stream(config.addresses.client, pids, texts, args.tokens, idle))
+    outputs = {tuple(map(tuple, r.pop("output"))) for r in runs}  # each repeat's, all clients'
+
     if args.json:
         print(json.dumps({"runs": runs, "idle": idle, "identical": len(outputs) == 1, "root": os.getcwd()}))
     else:
         print(render(runs, idle))
-        print(f"outputs identical across streams: {len(outputs) == 1}")
+        print(f"outputs identical across repeats: {len(outputs) == 1}")
     return 0 if len(outputs) == 1 else 1
 
 
