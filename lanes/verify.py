@@ -96,7 +96,7 @@ class VerifyLane:
                     await self.receive([await inbox.next(), *inbox.ready()])
             await self.send(core.tick(trio.current_time()))
             if core.has_work():
-                await self.send(core.forward(trio.current_time()))
+                await self.send(core.forward(trio.current_time))
             core.expire()
             self.lane.state.active_requests = len(core.drivers)
 

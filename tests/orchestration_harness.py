@@ -98,6 +98,7 @@ class World:
 
     readers: list[MetricReader] = field(default_factory=list)  # more metric readers for the hub's instruments
     head: DraftHead | None = None  # the draft lane's head (the hub knows of it by `model.draft_head`)
+    forward_seconds: float = 0.0  # how long each of the verify lane's forwards takes, on `now`'s clock
 
     def __post_init__(self) -> None:
         self.telemetry = MemoryTelemetry(self.readers)
@@ -201,9 +202,14 @@ class World:
         self.core.draft_lane.connected = "draft" in self.beating
         while self.core.has_work():
             self.to_verifier.extend(self.core.queued)
-            self.from_verify_lane(self.core.forward(self.now))
+            self.from_verify_lane(self.core.forward(self.after_forward))
         reported, self.reported = self.reported, []  # every forward's steps in one report
         self.replies(reported)
+
+    def after_forward(self) -> float:
+        """The verify lane's clock as a forward ends: `forward_seconds` after it began."""
+        self.now += self.forward_seconds
+        return self.now
 
     def deliver_one(self) -> Send:
         send = self.in_flight.popleft()

@@ -12,6 +12,7 @@ its journal.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pipeline.decoding.session import Session
 from pipeline.protocol.config import Config
@@ -110,9 +111,10 @@ class VerifyCore:
     def next_deadline(self) -> float:
         return min((d.deadline for d in self.drivers.values()), default=float("inf"))
 
-    def forward(self, now: float) -> list[Out]:
+    def forward(self, clock: Callable[[], float]) -> list[Out]:
         """One batched forward of every queued step and this forward's prefill chunks; each driver
-        then takes its reply and plans its next step."""
+        then takes its reply and plans its next step. `clock` is read once the forward has run, so
+        a step's verify time is its forward's, and its next draft's time starts after it."""
         messages, self.queued = self.queued, []
         neighbours = max(0, len(self.drivers) - 1)
         for driver in self.drivers.values():
@@ -125,6 +127,7 @@ class VerifyCore:
             self.lane.fault("verification_failed", message)
             return self.lost([m for m in messages if not isinstance(m, Close)])
         out: list[Out] = []
+        now = clock()
         for reply in replies:
             if (driver := self.drivers.get(reply.request_id)) is not None:
                 out += driver.on_reply(reply, now)
