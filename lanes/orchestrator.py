@@ -265,12 +265,15 @@ class OrchestratorLane:
         predecessor = os.environ.get(PREDECESSOR)
         death = msgspec.json.decode(predecessor, type=LaneDown) if predecessor else None
         self.dispatch(hub.recover(self.now(), death))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.receive_data, data)
-            nursery.start_soon(self.receive, control, hub.on_control)
-            nursery.start_soon(self.send_to_verify)
-            nursery.start_soon(self.tick)
-            nursery.start_soon(self.serve_client, nursery, clients, [0])
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.receive_data, data)
+                nursery.start_soon(self.receive, control, hub.on_control)
+                nursery.start_soon(self.send_to_verify)
+                nursery.start_soon(self.tick)
+                nursery.start_soon(self.serve_client, nursery, clients, [0])
+        finally:  # on the way out, what the last tick did not send (best effort: the journal keeps it)
+            self.send_audit()
 
 
 async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
