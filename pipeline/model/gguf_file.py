@@ -52,8 +52,6 @@ FAMILIES = {
         activation="gelu_tanh", embed_scaled=True, sliding=True, swa_period=6, rope_theta_local=10000.0,
     ),
 }  # fmt: skip
-# The former registry's shape, for readers not yet moved to FAMILIES.
-SUPPORTED_ARCHITECTURES = {name: {"permuted": family.permuted} for name, family in FAMILIES.items()}
 # Metadata whose computation no family here performs: a file declaring one is refused, not served wrong.
 REFUSED_KEYS = {
     "final_logit_softcapping": "final logit soft-capping",

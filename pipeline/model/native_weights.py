@@ -22,7 +22,7 @@ import numpy as np
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.errors import ModelFileError
-from pipeline.model.gguf_file import SUPPORTED_ARCHITECTURES, _open, _tensor, unpermute_order
+from pipeline.model.gguf_file import FAMILIES, _open, _tensor, unpermute_order
 
 GROUP, TILE, SUPER = 32, 16, 256
 # products.c's kind for each block type held as it is (its enum)
@@ -252,7 +252,7 @@ def read_file_blocks(path: Path, cfg: ModelConfig) -> FileBlocks:
     # reads better than the same pass split across helpers that would share its locals.
     reader = _open(path)
     tensors = {t.name: t for t in reader.tensors}
-    permuted = SUPPORTED_ARCHITECTURES[cfg.architecture]["permuted"]
+    permuted = FAMILIES[cfg.architecture].permuted
     d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.q_dim, cfg.kv_dim
     requantized: dict[str, str] = {}
 
