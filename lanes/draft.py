@@ -14,7 +14,8 @@ from pathlib import Path
 from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.drafters.registry import make_draft_sources
 from pipeline.decoding.grammar.compiler import warm_up
-from pipeline.model import default_model_path, load_model
+from pipeline.model import load_model
+from pipeline.model.default import model_path
 from pipeline.model.draft_head import DraftHead, head_for
 from pipeline.model.store import Front, load_front
 from pipeline.protocol.messages import BadMessage, Close, DraftInbox
@@ -26,11 +27,11 @@ log = logging.getLogger(__name__)
 
 async def serve(lane: LaneContext) -> None:
     config = lane.config
-    model_path = Path(config.model.path or default_model_path())
-    target = load_front(model_path)  # vocabulary checks, the head's embedding rows: no other weights
+    served = model_path(config.model.path)
+    target = load_front(served)  # vocabulary checks, the head's embedding rows: no other weights
     draft_path, backend, explicit = config.model.draft_path, config.model.backend, config.model.draft_head
     draft_model = load_model(draft_path, backend) if draft_path else None
-    sources = make_draft_sources(target, draft_model, served_head(model_path, target, explicit))
+    sources = make_draft_sources(target, draft_model, served_head(served, target, explicit))
     server = DraftServer(sources, target.cfg.vocab_size, lane, target.tokenizer)
     if target.tokenizer is not None:
         warm_up(target.tokenizer)  # a response_format request's drafter follows its grammar
@@ -56,14 +57,14 @@ async def serve(lane: LaneContext) -> None:
             lane.fault("timeout", "the verify lane did not take a draft", msg.request_id, msg.step)
 
 
-def served_head(model_path: Path, target: Front, explicit: str) -> DraftHead | None:
+def served_head(served: Path, target: Front, explicit: str) -> DraftHead | None:
     """The head `learned` drafts with: the one named (its errors end the lane, and say why), else the one
     found for the model, if this machine can run it (its kernels need a C compiler): a found head that
     cannot be built is left out with a warning, and the lane serves the other drafters."""
     if explicit:
-        return head_for(model_path, target.cfg, target.embed, Path(explicit))
+        return head_for(served, target.cfg, target.embed, Path(explicit))
     try:
-        return head_for(model_path, target.cfg, target.embed)
+        return head_for(served, target.cfg, target.embed)
     except Exception:
         log.warning("not serving the learned drafter: its draft head cannot be built here", exc_info=True)
         return None

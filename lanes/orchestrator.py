@@ -29,7 +29,7 @@ import trio
 
 from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.grammar.compiler import warm_up
-from pipeline.model.default import default_model_path
+from pipeline.model.default import model_path
 from pipeline.model.draft_head import head_file
 from pipeline.model.store import load_front
 from pipeline.observability.metrics import PipelineMetrics
@@ -280,7 +280,7 @@ async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:
     # model.path made explicit (the default model's file when empty): every request's audit record
     # then names the file it was served from, which `audit verify` re-runs. model.draft_head too: the
     # head the draft lane serves `learned` with, or "" when it has none (admission refuses `learned`).
-    path, model = str(lane.config.model.path or default_model_path()), lane.config.model
+    path, model = str(model_path(lane.config.model.path)), lane.config.model
     cfg, embed, tokenizer = load_front(Path(path))  # the embedding is read only to check a head
     head = head_file(Path(path), cfg, embed, model.draft_head)
     model = msgspec.structs.replace(model, path=path, draft_head=str(head) if head else "")

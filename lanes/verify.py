@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import trio
 
 from lanes.lane import LaneContext, lane_main
 from pipeline.decoding.grammar.compiler import warm_up
-from pipeline.model import default_model_path, load_model
+from pipeline.model import load_model
 from pipeline.model.calibration import stored_row_seconds
+from pipeline.model.default import model_path
 from pipeline.protocol.messages import DraftRequest, Reported, VerifyInbox
 from pipeline.protocol.transport import Inbox, Outbox
 from pipeline.workers.driver import Out
@@ -103,7 +103,7 @@ class VerifyLane:
 
 async def serve(lane: LaneContext) -> None:
     config = lane.config
-    path = Path(config.model.path or default_model_path())
+    path = model_path(config.model.path)
     model = load_model(path, config.model.backend)
     lane.runtime = runtime_report(model)
     assert model.tokenizer is not None

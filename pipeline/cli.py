@@ -112,7 +112,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     """llama-server's and vLLM's spellings for what `--set` sets (they win over --set and --config)."""
-    p.add_argument("-m", "--model", metavar="PATH", help="the target GGUF (as --set model.path=PATH)")
+    p.add_argument(
+        "-m", "--model", metavar="PATH",
+        help="the target GGUF, or a packaged model: gemma3-270m (as --set model.path=PATH)",
+    )  # fmt: skip
     p.add_argument("--host", help="the HTTP API's address (as --set gateway.host=HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the HTTP API's port (as --set gateway.port=PORT; default 8000)")
     p.add_argument(
@@ -200,7 +203,10 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate in-process and stream the text")
     gen.add_argument(
-        "-m", "--model", metavar="PATH", help="a llama-family GGUF (default: SmolLM2-135M-Instruct)"
+        "-m",
+        "--model",
+        metavar="PATH",
+        help="a GGUF file, or a packaged model: gemma3-270m (default: SmolLM2-135M-Instruct)",
     )
     _add_backend_flag(gen)
     gen.add_argument(
@@ -299,10 +305,10 @@ def response_format_arg(value: str | None) -> str | None:
 
 
 def load_model(path: str | None, backend: str = "auto"):
-    from pipeline.model import default_model_path
     from pipeline.model import load_model as load
+    from pipeline.model.default import model_path
 
-    return load(path or default_model_path(), backend)
+    return load(model_path(path), backend)
 
 
 def speculation_args(args: argparse.Namespace) -> Speculation:
@@ -324,8 +330,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pipeline.decoding.drafters.kinds import needs_head, parts
     from pipeline.decoding.drafters.registry import make_draft_source
     from pipeline.decoding.speculative import decode
-    from pipeline.model import default_model_path
     from pipeline.model.calibration import stored_row_seconds
+    from pipeline.model.default import model_path
     from pipeline.model.draft_head import head_for
     from pipeline.model.prompts import load_messages, prompt_tokens
 
@@ -336,13 +342,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
     head = None  # loaded only for a drafter that drafts with one (0.35 s)
     if any(needs_head(p) for p in parts(speculation.drafter, draft_model=True, head=True)):
-        head = head_for(args.model or default_model_path(), model.cfg, model.embed, args.draft_head)
+        head = head_for(model_path(args.model), model.cfg, model.embed, args.draft_head)
     source = make_draft_source(speculation.drafter, model, draft_model, head)
     assert model.tokenizer is not None
     prompt = prompt_tokens(model.tokenizer, args.prompt, chat=args.chat, messages=messages)
     if speculation.fixed_k is None:  # the controller's t(rows): the one a lane or an earlier run kept
         with contextlib.suppress(OSError):  # measured but not kept (a full disk): the next run measures
-            stored_row_seconds(model, args.model or default_model_path())
+            stored_row_seconds(model, model_path(args.model))
 
     def show(text: str) -> None:
         sys.stdout.write(text)

@@ -43,7 +43,7 @@ from pipeline.api.health import Health, judge, unreachable
 from pipeline.api.http_spans import HttpServerSpans, answered_with, refused, span_carrier, span_of
 from pipeline.api.keys import RequireKey, load_keys
 from pipeline.api.web import page_routes
-from pipeline.model.default import default_model_path
+from pipeline.model.default import model_path
 from pipeline.model.errors import ModelFileError
 from pipeline.observability.request_ids import RESPONSE_PREFIXES
 from pipeline.observability.telemetry import RESPONSE_PREFIX, Telemetry, with_baggage
@@ -312,10 +312,8 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 
 def served_model_path(config: Config) -> str | None:
     """The target GGUF's path: model.path, or the default model's where it is installed."""
-    if config.model.path:
-        return config.model.path
     try:
-        return str(default_model_path())
+        return str(model_path(config.model.path))
     except ModelFileError:  # a gateway on a host without the model (the lanes are elsewhere)
         return None
 

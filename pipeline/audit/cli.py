@@ -231,10 +231,11 @@ def _models(opened: RequestOpened | None, steps: list[StepEvent], args: argparse
     """The target (and, when some step's p is a draft-model row, the draft model) to re-run."""
     from pipeline.audit.verify import uses_draft_rows
     from pipeline.decoding.sampling import SamplingParams
-    from pipeline.model import default_model_path, load_model
+    from pipeline.model import load_model
+    from pipeline.model.default import model_path
 
     settings = opened.settings if opened is not None else {}
-    target_path = Path(args.model or settings.get("model") or default_model_path())
+    target_path = model_path(args.model or settings.get("model"))
     backend = args.backend or served_backend(steps)
     target = load_model(target_path, backend)
     params = msgspec.convert(settings.get("params", {}), SamplingParams)

@@ -22,7 +22,9 @@ def add_set_flag(parser: argparse.ArgumentParser) -> None:
 def add_common_flags(parser: argparse.ArgumentParser, repeats: int) -> None:
     """--model, --repeats and --json, which every benchmark takes."""
     parser.add_argument(
-        "--model", metavar="PATH", help="the target GGUF (default: the embedded SmolLM2-135M-Instruct)"
+        "--model",
+        metavar="PATH",
+        help="the target GGUF, or a packaged model: gemma3-270m (default: the SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--repeats", type=int, default=repeats, help=f"runs per figure, the median shown (default {repeats})"

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.bench.flags import add_common_flags
-from pipeline.model import backend_key, default_model_path, load_model
+from pipeline.model import backend_key, load_model
 from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.default import model_path
 
 BLOCK_SIZES = (1, 2, 4, 8, 16)
 QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
@@ -134,7 +135,7 @@ def prefill_stall(model: Any, prompt_tokens: int, chunk: int, context: int) -> d
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    path = Path(args.model or default_model_path())
+    path = model_path(args.model)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     # Timings first, fast backends before numpy: OpenBLAS's threads spin for a while after each
     # call and would steal the cores from the next backend's kernels.

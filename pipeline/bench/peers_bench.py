@@ -49,8 +49,9 @@ from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
-from pipeline.model import backend_key, default_model_path, load_model, set_backend
+from pipeline.model import backend_key, load_model, set_backend
 from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.default import model_path
 from pipeline.protocol.client import Client
 
 GOAL_WORKLOADS = ("quote", "code")
@@ -506,13 +507,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model_path = Path(args.model or default_model_path())
+    served = model_path(args.model)
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or 2)
     drafters = ["none", *(d for d in args.drafters.split(",") if d != "none")]
     skipped: dict[str, str] = {}
     peers = [p for p in args.peers.split(",") if p]
-    model = load_model(model_path, set_backend(args.set))
-    workers = start_workers(peers, model_path, threads, args.lookup_tokens, skipped)
+    model = load_model(served, set_backend(args.set))
+    workers = start_workers(peers, served, threads, args.lookup_tokens, skipped)
     rows = variants(drafters, not args.no_pipeline, list(workers))
     runner = Runner(model, workers, args.max_tokens)
     try:
@@ -527,7 +528,7 @@ def main(args: argparse.Namespace) -> int:
         versions.update({k: str(v) for k, v in worker.info.items() if k != "threads"})
     summary = summarise(runs, rows)
     results = {
-        "meta": {"date": datetime.date.today().isoformat(), "model": model_path.name,
+        "meta": {"date": datetime.date.today().isoformat(), "model": served.name,
                  "cpu": f"{cpu_name()}, {os.cpu_count()} cores", "cpu_flags": kernel_flags(),
                  "runtime": backend_key(model), "kernel_path": model.describe(),
                  "max_tokens": args.max_tokens, "threads": threads, "repeats": args.repeats,

@@ -46,7 +46,8 @@ from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
-from pipeline.model import default_model_path, load_model, set_backend
+from pipeline.model import load_model, set_backend
+from pipeline.model.default import model_path
 from pipeline.model.draft_head import head_for
 from pipeline.protocol.client import Client
 from pipeline.protocol.config import Config
@@ -99,7 +100,7 @@ def single_stream(
     The in-process `auto` source lives for the whole run, like the draft lane's: both
     cross-request caches are fed by the same requests in the same order."""
     # The in-process twin drafts with the head the pipeline found (`model.draft_head`: the same lookup).
-    path = config.model.path or default_model_path()
+    path = model_path(config.model.path)
     head = head_for(path, model.cfg, model.embed, config.model.draft_head or None)
     sources = {name: make_draft_source(name, model, None, head) for name in drafters}
     runs: dict = {w: {d: {"in_process": [], "pipeline": []} for d in drafters} for w in WORKLOADS}
@@ -434,7 +435,7 @@ def main(args: argparse.Namespace) -> int:
     drafters, load_drafters = with_reference(args.drafters), with_reference(args.load_drafters)
     settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops our pipelines
-    model = load_model(args.model or default_model_path(), set_backend(args.set))
+    model = load_model(model_path(args.model), set_backend(args.set))
     stream_params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     with running_pipeline(settings) as config:
         single = single_stream(model, config, drafters, args.repeats, stream_params)

@@ -33,9 +33,10 @@ from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
-from pipeline.model import backend_key, default_model_path, load_model
+from pipeline.model import backend_key, load_model
 from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.default import model_path
 from pipeline.model.draft_head import DraftHead, head_for
 
 
@@ -160,10 +161,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model_path = args.model or default_model_path()
-    model = load_model(model_path, args.backend)
+    model_file = model_path(args.model)
+    model = load_model(model_file, args.backend)
     draft_model = load_model(args.draft_model, args.backend) if args.draft_model else None
-    head = head_for(model_path, model.cfg, model.embed, args.draft_head)
+    head = head_for(model_file, model.cfg, model.embed, args.draft_head)
     drafters = [d for d in args.drafters.split(",") if head or not needs_head(d.removesuffix("/linear"))]
     sections = {"greedy": SamplingParams(max_tokens=args.max_tokens)}
     if args.temperature > 0:

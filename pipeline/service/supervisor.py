@@ -30,7 +30,7 @@ import msgspec
 import trio
 from opentelemetry.trace import Span
 
-from pipeline.model.default import default_model_path
+from pipeline.model.default import model_path
 from pipeline.model.draft_head import head_file
 from pipeline.model.store import load_front
 from pipeline.observability.telemetry import Telemetry
@@ -275,7 +275,7 @@ class Supervisor:
         config_path.write_bytes(msgspec.json.encode(self.config))
         # Prepare the config, tokenizer and embedding once here, not three times at once in the lanes
         # (each model lane then prepares or maps its backend's own weight form).
-        models = [self.config.model.path or str(default_model_path())]
+        models = [str(model_path(self.config.model.path))]
         if self.config.model.draft_path:
             models.append(self.config.model.draft_path)
         for model in models:

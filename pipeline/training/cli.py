@@ -48,7 +48,7 @@ def say(text: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pipeline.model import load_model
-    from pipeline.model.default import default_model_path
+    from pipeline.model.default import model_path
     from pipeline.model.draft_head import (
         embedding_digest,
         head_name,
@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     from pipeline.training.prompts import prompts
     from pipeline.training.train import train
 
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = model_path(args.model)
     out = Path(args.out) if args.out else trained_heads_directory() / head_name(model_path)
     work = Path(args.work) if args.work else out.with_name(out.name.removesuffix(".npz") + ".work")
     out.parent.mkdir(parents=True, exist_ok=True)
