@@ -6,6 +6,14 @@ from __future__ import annotations
 import argparse
 
 
+def at_least_one(text: str) -> int:
+    """A count of runs: a median of no runs is no figure, so 0 is refused at the command line."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_backend_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", default="auto", metavar="NAME",
@@ -27,6 +35,9 @@ def add_common_flags(parser: argparse.ArgumentParser, repeats: int) -> None:
         help="the target GGUF, or a packaged model: gemma3-270m (default: the SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=repeats, help=f"runs per figure, the median shown (default {repeats})"
+        "--repeats",
+        type=at_least_one,
+        default=repeats,
+        help=f"runs per figure, the median shown (default {repeats})",
     )
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")

@@ -41,7 +41,7 @@ from pipeline.bench.common import (
     via_pipeline,
 )
 from pipeline.bench.common import progress as common_progress
-from pipeline.bench.flags import add_common_flags, add_set_flag
+from pipeline.bench.flags import add_common_flags, add_set_flag, at_least_one
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -427,7 +427,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-drafters", default="none,auto", help="drafters of the load test")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients in the load test")
     parser.add_argument("--load-tokens", type=int, default=80, help="new tokens per load request")
-    parser.add_argument("--load-repeats", type=int, default=2, help="runs of the load test (median shown)")
+    parser.add_argument(
+        "--load-repeats", type=at_least_one, default=2, help="runs of the load test (median shown)"
+    )
     add_set_flag(parser)
 
 
