@@ -7,6 +7,7 @@ Each benchmark module declares its own CLI arguments (`add_parser`) and runs fro
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import sys
@@ -20,6 +21,7 @@ from pipeline.decoding.sampling import SamplingParams
 from pipeline.model import Runtime as Model
 from pipeline.protocol.client import Client, PipelineError
 from pipeline.protocol.config import Config
+from pipeline.protocol.messages import Chunk
 from pipeline.service.launch import launch, stop
 
 
@@ -156,11 +158,21 @@ def busy_cores(before: dict[str, float], after: dict[str, float], wall: float) -
     return cores
 
 
+SAME_ARRIVAL = 0.001  # seconds: chunks closer than this came in one reply
+
+
 def via_pipeline(client: Client, text: str, params: SamplingParams, drafter: str) -> dict:
-    """One chat request through the pipeline, timed from submit to the final object."""
+    """One chat request through the pipeline, timed from submit to the final object; `gaps` are the
+    seconds between successive arrivals of tokens (the stalls a reader sees). The chunks of one poll's
+    reply come within microseconds of each other: those within `SAME_ARRIVAL` count as one arrival."""
     start = time.perf_counter()
     request_id = client.submit(text, chat=True, params=params, drafter=drafter).request_id
-    *_, done = client.chunks(request_id)
+    arrivals: list[float] = []
+    done = None
+    for done in client.chunks(request_id):
+        now = time.perf_counter()
+        if isinstance(done, Chunk) and done.tokens and (not arrivals or now - arrivals[-1] > SAME_ARRIVAL):
+            arrivals.append(now)
     seconds = time.perf_counter() - start
     assert isinstance(done, Result)
     if done.error is not None:
@@ -170,7 +182,7 @@ def via_pipeline(client: Client, text: str, params: SamplingParams, drafter: str
         "prompt_tokens": done.prompt_tokens, "tokens": done.tokens, "text": done.text,
         "seconds": seconds, "tokens_per_second": len(done.tokens) / seconds,
         "orchestrator_tokens_per_second": stats.tokens_per_second, "steps": stats.steps,
-        "acceptance_rate": stats.acceptance_rate,
+        "acceptance_rate": stats.acceptance_rate, "gaps": [b - a for a, b in itertools.pairwise(arrivals)],
     }  # fmt: skip
 
 

@@ -222,7 +222,17 @@ def load_phase(
         "batches": verify_after.batches - verify_before.batches,
         "rows": verify_after.batched_rows - verify_before.batched_rows,
         "cores": busy_cores(cpu_before, cpu_after, wall),
+        "itl_ms": inter_token_ms([gap for r in outputs for gap in r["gaps"]]),
     }
+
+
+def inter_token_ms(gaps: list[float]) -> dict[str, float]:
+    """p50 and p99 of the gaps between a stream's successive chunks, over every stream of a phase (the
+    inter-token latency a reader sees: a chunk brings every token decided since the last one)."""
+    if len(gaps) < 2:
+        return {"p50": 0.0, "p99": 0.0}
+    cuts = statistics.quantiles(gaps, n=100, method="inclusive")
+    return {"p50": 1000 * statistics.median(gaps), "p99": 1000 * cuts[98]}
 
 
 def load(
@@ -256,6 +266,7 @@ def summarise_load(by_n: dict, reference: list[dict], clients: int) -> dict:
             "requests_per_batch": steps / batches if batches else 0.0,
             "rows_per_batch": rows / batches if batches else 0.0,
             "cores": {k: statistics.median(p["cores"][k] for p in phases) for k in phases[0]["cores"]},
+            "itl_ms": {k: statistics.median(p["itl_ms"][k] for p in phases) for k in ("p50", "p99")},
             "identical": all(
                 same_output(got, want)
                 for p in phases
@@ -368,21 +379,23 @@ def render_load(load_results: dict) -> list[str]:
         f"Load: {load_results['requests']} distinct prompts from 1 client vs {n} concurrent clients "
         "(each phase on a fresh pipeline)",
         f"{'drafter':<7} {'clients':>7} {'tokens':>6} {'seconds':>7} {'agg tok/s':>9} {'scaling':>7} "
-        f"{'req/batch':>9} {'rows/batch':>10}  {CORES_HEADER:<51} same",
+        f"{'req/batch':>9} {'rows/batch':>10} {'ITL p50/p99 ms':>14}  {CORES_HEADER:<51} same",
     ]
     for name, d in load_results["drafters"].items():
         for clients in ("1", str(n)):
             r = d[clients]
             cores = " ".join(f"{r['cores'].get(p, 0.0):.2f}" for p in (*PROCESSES, "clients", "others"))
             scaling = f"{d['scaling']:>6.2f}x" if clients != "1" else f"{'1.00x':>7}"
+            itl = f"{r['itl_ms']['p50']:.1f}/{r['itl_ms']['p99']:.1f}"
             lines.append(
                 f"{name:<7} {clients:>7} {r['tokens']:>6} {r['seconds']:>7.1f} "
                 f"{r['tokens_per_second']:>9.1f} {scaling} {r['requests_per_batch']:>9.2f} "
-                f"{r['rows_per_batch']:>10.2f}  {cores:<51} "
+                f"{r['rows_per_batch']:>10.2f} {itl:>14}  {cores:<51} "
                 f"{'yes' if r['identical'] else 'NO'}"
             )
     lines.append(
         "(req/batch: verify steps per batched forward; rows/batch: tokens per forward, drafts included; "
+        "ITL: the gaps between successive arrivals of a stream's tokens; "
         "same: every output equals the 1-client output of the first drafter for that prompt)"
     )
     c = load_results["ceiling"]
