@@ -104,6 +104,20 @@ def test_space_prefix(tmp_path):
     assert tok.decode(encode(tok, "hello the")) == "hello the"
 
 
+def test_a_file_without_the_flags_gets_llama_cpps_spm_defaults(tmp_path):
+    """A file with no add_space_prefix / add_bos_token key (SPM files converted before the keys
+    existed, Llama 2's era) reads as llama.cpp's SPM defaults, both on: a space prefix and a BOS.
+    An absent key reads as None (`read_tokenizer_metadata`)."""
+    meta = read_tokenizer_metadata(_open(write_spm_gguf(tmp_path / "spm.gguf")))
+    tok = Tokenizer.from_metadata(
+        {**meta, "tokenizer.ggml.add_space_prefix": None, "tokenizer.ggml.add_bos_token": None}
+    )
+    assert tok.encode("hello the") == [2, *ids_of(f"{SPACE}hello", f"{SPACE}the")]
+    assert tok.decode(encode(tok, "hello the")) == "hello the"
+    # a key that is there decides, as before
+    assert spm_tokenizer(tmp_path, add_space_prefix=False).encode("hello") == [2, *ids_of("hello")]
+
+
 def test_cached_form_is_the_same_tokenizer(tiny_spm):
     again = Tokenizer.from_json(*tiny_spm.to_json())
     text = "hello <b>日é\n"

@@ -77,18 +77,26 @@ def build_spm_tokenizer(meta: dict[str, Any]) -> HFTokenizer:
     )
     tok = HFTokenizer(model)
     escape = normalizers.Replace(" ", SPACE)
-    if meta.get("tokenizer.ggml.add_space_prefix"):
+    space_prefix = spm_flag(meta, "tokenizer.ggml.add_space_prefix")
+    if space_prefix:
         tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), escape])
     else:
         tok.normalizer = escape
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if meta.get("tokenizer.ggml.add_space_prefix"):
+    if space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))  # the prefix space encoding added
     tok.decoder = decoders.Sequence(steps)
     added = _added_tokens(tokens, types)
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, s in added if s])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, s in added if not s])
     return tok
+
+
+def spm_flag(meta: dict[str, Any], key: str) -> bool:
+    """add_space_prefix or add_bos_token of an SPM vocabulary: the file's value, else llama.cpp's
+    SPM default, on (llama-vocab.cpp; files converted before the keys existed carry neither)."""
+    value = meta.get(key)
+    return True if value is None else bool(value)
 
 
 def _added_tokens(tokens: list[str], types: list[int]) -> list[tuple[int, bool]]:

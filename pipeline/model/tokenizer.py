@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pipeline.model.errors import ModelFileError
-from pipeline.model.spm_vocab import SPACE, build_spm_tokenizer
+from pipeline.model.spm_vocab import SPACE, build_spm_tokenizer, spm_flag
 from pipeline.model.tool_templates import renders_hermes_tools
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
@@ -249,7 +249,9 @@ def _info_from_metadata(meta: dict[str, Any]) -> dict[str, Any]:
     return {
         "bos_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "add_bos": bool(meta.get("tokenizer.ggml.add_bos_token")),
+        "add_bos": spm_flag(meta, "tokenizer.ggml.add_bos_token")
+        if meta.get("tokenizer.ggml.model") == "llama"
+        else bool(meta.get("tokenizer.ggml.add_bos_token")),
         "add_eos": bool(meta.get("tokenizer.ggml.add_eos_token")),
         "pieces": "sentencepiece" if meta.get("tokenizer.ggml.model") == "llama" else "byte_level",
         "chat_template": meta.get("tokenizer.chat_template"),
