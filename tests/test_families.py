@@ -164,6 +164,7 @@ REFUSED = {
     "no-window": (TinySpec(**(GEMMA | {"sliding_window": 0})), "'gemma3.attention.sliding_window' is missi"),
     "gemma-rope-freqs": (TinySpec(**GEMMA, rope_freqs=True), "rope_freqs.weight tensor in a gemma3 file"),
     "pattern-length": (TinySpec(**GEMMA, swa_pattern=(True,)), "1 flags for 2 layers"),
+    "wide-heads": (TinySpec(n_heads=2, n_kv_heads=1, head_size=288), "heads of 288 values"),
 }  # fmt: skip
 
 

@@ -52,6 +52,8 @@ FAMILIES = {
         activation="gelu_tanh", embed_scaled=True, sliding=True, swa_period=6, rope_theta_local=10000.0,
     ),
 }  # fmt: skip
+# The widest attention head the kernels hold a row of on the stack (rowkernels.c's MAX_HEAD_DIM).
+MAX_HEAD_DIM = 256
 # Metadata whose computation no family here performs: a file declaring one is refused, not served wrong.
 REFUSED_KEYS = {
     "final_logit_softcapping": "final logit soft-capping",
@@ -122,6 +124,8 @@ def read_config(reader: Any) -> ModelConfig:
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
         raise ModelFileError(f"value heads of {value_dim} differ from key heads of {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ModelFileError(f"heads of {head_dim} values (the kernels take at most {MAX_HEAD_DIM})")
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ModelFileError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim})")

@@ -11,7 +11,7 @@ depend on whether, or where, the buffer was compacted.
 
 WINDOW_MARGIN is how far behind the newest reserve a rollback may go and still find its keys:
 the deepest rollback the decoders make is a rejected verify block or a model drafter's k drafts,
-at most K_LIMIT (32, `decoding.adaptive`) tokens plus the pending one; twice that is kept.
+at most K_LIMIT (32, `decoding.adaptive`) tokens plus the pending one, 33; 64 are kept.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
  *     either in index order or into 16 lanes chosen by the key's index, then a fixed tree; the
  *     dot products are explicit fmaf chains, one rounding per step in the vector body and the
  *     scalar tail alike;
- *   - a query row attends to keys 0..p of its own sequence, where p is its position, and never
+ *   - a query row attends to keys 0..p of its own sequence, where p is its position (on a
+ *     sliding-window layer p - window + 1..p, counted by position, never by buffer offset), and never
  *     sees a mask or a padding that depends on the block it came in;
  *   - threads split whole (kv head, row) units or whole rows, never a reduction.
  * No -ffast-math: the compiler may not reassociate anything written here.
