@@ -34,6 +34,7 @@ from pipeline.protocol.messages import (
     StepsJournaled,
     encode,
 )
+from pipeline.protocol.transport import MAX_MESSAGE_BYTES
 
 from .orchestration_harness import World
 from .tinymodel import TinySpec, write_tiny_gguf
@@ -229,3 +230,15 @@ def test_the_verify_lane_hears_of_the_journal_every_half_run_ahead_and_never_wai
     half = world.config.run.run_ahead // 2
     assert told[0] == 0 and all(b - a >= half for a, b in itertools.pairwise(told))
     assert len(told) <= result.stats.steps // half + 1
+
+
+def test_batched_keeps_each_message_under_what_the_audit_lane_can_receive():
+    """Long prompts make large events (RequestOpened holds the prompt, the summary the output): a re-send
+    of 256 of them must not be one message over the audit lane's receive limit, which nng drops (closing
+    the connection) so that the same batch failed again at every re-send."""
+    big = "x" * (MAX_MESSAGE_BYTES // 200)  # 200 such events exceed the limit, under BATCH_EVENTS of them
+    events = [msgspec.structs.replace(step_event("r", i), trace={"pad": big}) for i in range(BATCH_EVENTS)]
+    out = batched([Send("audit", encode(e), (e.event_id,)) for e in events])
+    assert len(out) > 1 and all(len(s.message) <= MAX_MESSAGE_BYTES // 2 for s in out)
+    assert [i for s in out for i in s.event_ids] == [e.event_id for e in events]
+    assert unbatched([Codec(AuditLaneInbox).decode(s.message) for s in out]) == events

@@ -3,7 +3,7 @@
 The request machine returns these; the hub turns `Record`, `Raise`, `Stepped`, `Journaled`
 and `FirstToken` into audit events, faults, journal rows and metrics, and hands every `Send`
 to the lane process (lanes/orchestrator.py), which owns the sockets. `batched` makes one message of
-the audit events sent together (a burst of decided steps, a re-send).
+the audit events sent together (a burst of decided steps, a re-send), bounded in count and bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from pipeline.protocol.messages import AuditBatch, AuditEvent, FaultKind, StepRe
 # Events in one AuditBatch at most: a re-send after an audit restart (up to `audit.max_pending`)
 # goes as several messages of bounded size rather than one.
 BATCH_EVENTS = 256
+# Bytes of events in one AuditBatch at most, a quarter of what the audit lane's socket receives
+# (transport.MAX_MESSAGE_BYTES, 64 MiB): nng drops a larger message, and the same batch made again at
+# every re-send would never arrive. An event that is larger alone still goes (alone).
+BATCH_BYTES = 16 << 20
 
 
 class Send(NamedTuple):
@@ -27,15 +31,14 @@ class Send(NamedTuple):
 
 def batched(sends: list[Send]) -> list[Send]:
     """`sends` with their lone audit events gathered into AuditBatch messages of at most BATCH_EVENTS
-    (batches already made stay as they are; a single event goes as it is). Why: one message, one
-    wake-up and one transaction in the audit lane per burst of decided steps, where one a step cost
-    both processes CPU the forward needed."""
+    events and BATCH_BYTES bytes (batches already made stay as they are; a single event goes as it is).
+    Why: one message, one wake-up and one transaction in the audit lane per burst of decided steps,
+    where one a step cost both processes CPU the forward needed."""
     audit = [send for send in sends if send.lane == "audit" and len(send.event_ids) == 1]
     if len(audit) < 2:
         return sends
     out = [send for send in sends if send.lane != "audit" or len(send.event_ids) != 1]
-    for start in range(0, len(audit), BATCH_EVENTS):
-        part = audit[start : start + BATCH_EVENTS]
+    for part in bounded(audit):
         if len(part) == 1:
             out.append(part[0])
             continue
@@ -43,6 +46,20 @@ def batched(sends: list[Send]) -> list[Send]:
         ids = tuple(event_id for send in part for event_id in send.event_ids)
         out.append(Send("audit", encode(AuditBatch(events=events)), ids))
     return out
+
+
+def bounded(audit: list[Send]) -> list[list[Send]]:
+    """`audit` in order, in parts of at most BATCH_EVENTS events and BATCH_BYTES bytes (or one event)."""
+    parts: list[list[Send]] = []
+    size = 0
+    for send in audit:
+        length = len(send.message)  # type: ignore[arg-type]
+        if not parts or len(parts[-1]) >= BATCH_EVENTS or size + length > BATCH_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(send)
+        size += length
+    return parts
 
 
 class Record(NamedTuple):
