@@ -161,6 +161,12 @@ class FullOnCommit:
     def __getattr__(self, name: str) -> object:
         return getattr(self.db, name)
 
+    def __enter__(self) -> sqlite3.Connection:  # `with db:` (Journal._atomic) commits by the connection
+        return self.db.__enter__()
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self.db.__exit__(*exc)  # type: ignore[arg-type]
+
 
 def test_a_journal_transaction_commits_once_nests_and_rolls_back_whole(tmp_path):
     journal = Journal(tmp_path / "j.sqlite")
@@ -242,3 +248,34 @@ def test_batched_keeps_each_message_under_what_the_audit_lane_can_receive():
     assert len(out) > 1 and all(len(s.message) <= MAX_MESSAGE_BYTES // 2 for s in out)
     assert [i for s in out for i in s.event_ids] == [e.event_id for e in events]
     assert unbatched([Codec(AuditLaneInbox).decode(s.message) for s in out]) == events
+
+
+def test_a_request_finished_in_a_burst_the_disk_cannot_commit_stays_finished_after_a_restart(model, tmp_path):
+    """Its client saw it done with all its tokens: the result and the unacknowledged audit events of the
+    burst are journaled again after the rollback (when the disk takes them), so a restarted orchestrator
+    neither decodes it again nor loses its summary."""
+    path = tmp_path / "journal.sqlite"
+    world = bursting(model, path)
+    world.lost.add("audit")  # no acknowledgement comes: every event must stay in the journal's outbox
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    request_id = world.submit(PROMPTS[0], params=short, drafter="none")
+    db = world.hub.journal.db
+    world.hub.journal.db = FullOnCommit(db)  # type: ignore[assignment]
+    world.run()
+    served = world.result(request_id)
+    assert served is not None and served.error is None  # done, every token shown
+    assert journaled(path).get(request_id) is None  # the burst's steps were rolled back
+    world.hub.journal.db = db  # the disk takes writes again
+    pending = set(world.hub.ledger.outbox.pending)
+    with sqlite3.connect(path) as other:
+        assert {e for (e,) in other.execute("SELECT event_id FROM outbox")} >= pending
+        assert [r for (r,) in other.execute("SELECT request_id FROM results")] == [request_id]
+    world.lost.clear()
+    world.orchestrator_killed(deliver_in_flight=False)
+    opens = len(world.to_verifier)
+    world.run()
+    world.tick(5.0)
+    world.run()
+    assert world.result(request_id) == served  # not decoded again: its lanes are only freed (again)
+    assert [type(m).__name__ for m in world.to_verifier[opens:]] == ["Close"]
+    assert f"{request_id}:summary" in world.audited

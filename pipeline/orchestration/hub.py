@@ -90,6 +90,7 @@ class Hub:
         self.closing = Closing()  # the supervisor is stopping the pipeline (closing.py)
         self.queue = AdmissionQueue(config.admission)
         self.journaled: dict[str, int] = {}  # steps journaled since the verify lane was last told
+        self.finished_in_burst: list[str] = []  # requests `on_burst` finished, in case its commit fails
         self.told: dict[str, int] = {}  # the last journaled step the verify lane heard of, per request
         tracing.cache_capacity(context_length * config.admission.max_running)  # the KV-cache gauge's
 
@@ -216,9 +217,12 @@ class Hub:
         comes back only after its commit: StepsJournaled and the audit events never speak of a step
         the journal could still lose, and the lane process wakes the polls that show them only then.
         A commit the disk cannot take loses the whole burst's steps: the requests they belong to end
-        with `storage_full`, as one whose step the journal refused."""
+        with `storage_full`, as one whose step the journal refused; one that had finished in the burst
+        (its client sees it done) keeps its result, which is journaled again after the rollback with the
+        audit events not yet acknowledged (each when the disk takes it, as outside a burst)."""
         sends: list[Send] = []
         before = dict(self.journaled)
+        self.finished_in_burst = []
         try:
             with self.journal.transaction():
                 for msg in unreported(msgs):
@@ -235,9 +239,18 @@ class Hub:
             for request_id in lost:
                 if (machine := self.front.machine(request_id)) is not None:
                     sends += self._run(machine, machine.cancel(now, "storage_full"), now)
+            self._rejournal()
         if (told := self.journaled_steps()) is not None:
             sends.append(told)
         return sends
+
+    def _rejournal(self) -> None:
+        """After a rolled-back burst: what it wrote that memory still holds and a client may have seen
+        (the results of requests it finished, the outbox's events), written again."""
+        for request_id in self.finished_in_burst:
+            if (machine := self.front.machine(request_id)) is not None and machine.result is not None:
+                self.journal.finished(request_id, machine.result, time.time())
+        self.journal.outbox_restore([(e, data) for e, (data, _) in self.ledger.outbox.pending.items()])
 
     def journaled_steps(self, force: bool = False) -> Send | None:
         """What the verify lane must hear of the journal: each request's last journaled step since it
@@ -347,6 +360,8 @@ class Hub:
         self.journaled.pop(machine.id, None)
         self.front.finished(machine.id, now)
         self.journal.finished(machine.id, result, time.time())
+        if self.journal.batching:  # inside `on_burst`'s transaction
+            self.finished_in_burst.append(machine.id)
         self.tracing.end(result, now - machine.who.started)
         if result.error is not None:
             return []

@@ -196,6 +196,11 @@ class Journal:
         with self._storage(critical=False):
             self.db.execute("INSERT OR REPLACE INTO outbox VALUES (?, ?)", (event_id, data))
 
+    def outbox_restore(self, events: list[tuple[str, bytes]]) -> None:
+        """Every event in `events` back in the outbox (after a rolled-back transaction), in one commit."""
+        with self._storage(critical=False), self._atomic():
+            self.db.executemany("INSERT OR REPLACE INTO outbox VALUES (?, ?)", events)
+
     def outbox_ack(self, event_ids: list[str]) -> None:
         with self._storage(critical=False):
             self.db.executemany("DELETE FROM outbox WHERE event_id = ?", [(e,) for e in event_ids])
