@@ -279,3 +279,43 @@ def test_a_request_finished_in_a_burst_the_disk_cannot_commit_stays_finished_aft
     assert world.result(request_id) == served  # not decoded again: its lanes are only freed (again)
     assert [type(m).__name__ for m in world.to_verifier[opens:]] == ["Close"]
     assert f"{request_id}:summary" in world.audited
+
+
+class RefusedOnce(FullOnCommit):
+    """A journal connection whose first commit of steps fails for a reason other than space (a
+    read-only file); the ones after it succeed."""
+
+    refused = stepped = False
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        self.stepped = self.stepped or sql.startswith("INSERT OR REPLACE INTO steps")
+        if sql == "COMMIT" and self.stepped and not self.refused:
+            self.refused = True
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        return self.db.execute(sql, *args)
+
+
+def test_a_burst_the_journal_refuses_for_another_reason_is_lost_whole_and_leaves_no_gap(model, tmp_path):
+    """Its steps were shown by the request's machine but are in no journal: its request ends as one the
+    journal refused, rather than the next bursts journaling (and acknowledging) the steps after a gap,
+    which a restarted orchestrator would replay as if they followed the steps before it."""
+    path = tmp_path / "journal.sqlite"
+    world = bursting(model, path)
+    request_id = world.submit(PROMPTS[0], params=PARAMS, drafter="none")
+    world.hub.journal.db = RefusedOnce(world.hub.journal.db)  # type: ignore[assignment]
+    on_burst, told = world.hub.on_burst, []
+
+    def checked(msgs, now):
+        sends = on_burst(msgs, now)
+        told.extend(s.message.steps for s in sends if isinstance(s.message, StepsJournaled))
+        return sends
+
+    world.hub.on_burst = checked  # type: ignore[method-assign]
+    world.run()
+    result = world.result(request_id)
+    assert result is not None and result.finish_reason == "storage_full"
+    committed = journaled(path)
+    assert all(committed.get(r, -1) >= step for steps in told for r, step in steps.items())
+    with sqlite3.connect(path) as db:
+        steps = [s for (s,) in db.execute("SELECT step FROM steps WHERE request_id = ?", (request_id,))]
+    assert steps == list(range(len(steps)))  # no gap

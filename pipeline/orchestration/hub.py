@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sqlite3
 import time
 import uuid
 
@@ -216,10 +217,11 @@ class Hub:
         report's in one `Reported`, and acknowledgements), journaled in one transaction. Every send
         comes back only after its commit: StepsJournaled and the audit events never speak of a step
         the journal could still lose, and the lane process wakes the polls that show them only then.
-        A commit the disk cannot take loses the whole burst's steps: the requests they belong to end
-        with `storage_full`, as one whose step the journal refused; one that had finished in the burst
-        (its client sees it done) keeps its result, which is journaled again after the rollback with the
-        audit events not yet acknowledged (each when the disk takes it, as outside a burst)."""
+        A commit the disk cannot take (or that fails otherwise) loses the whole burst's steps: the
+        requests they belong to end with `storage_full`, as one whose step the journal refused; one
+        that had finished in the burst (its client sees it done) keeps its result, which is journaled
+        again after the rollback with the audit events not yet acknowledged (each when the disk takes
+        it, as outside a burst)."""
         sends: list[Send] = []
         before = dict(self.journaled)
         self.finished_in_burst = []
@@ -228,11 +230,11 @@ class Hub:
                 for msg in unreported(msgs):
                     try:
                         sends += self.on_data(msg, now)
-                    except StorageFull:
+                    except (StorageFull, sqlite3.Error):  # the journal's: the burst is lost whole
                         raise
                     except Exception:  # a bug in handling one message costs that message, not the burst
                         log.exception("orchestrator core failed on %s", type(msg).__name__)
-        except StorageFull as exc:
+        except (StorageFull, sqlite3.Error) as exc:  # another error (a read-only file) loses it alike
             log.warning("the journal could not commit a burst of steps: %s", exc)
             lost = [r for r, step in self.journaled.items() if before.get(r) != step]
             self.journaled = {r: step for r, step in before.items() if r not in lost}
