@@ -206,7 +206,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
 
 
 def step_events(span: SpanRecord | ReceivedSpan) -> list[dict]:
-    """A verify span's steps: one event each (`workers.step_spans`), from the files or the receiver."""
+    """A verify or draft span's steps: one event each (`workers.step_spans`), from the files or the
+    receiver."""
     return [event for event in span.events if "speclanes.step" in event]
 
 
@@ -250,8 +251,9 @@ def test_one_request_is_one_trace_with_spans_from_every_lane(scenario: Scenario)
     wanted = {"speclanes.k", "speclanes.accepted", "speclanes.acceptance", "speclanes.batch_size"}
     assert all(wanted <= set(event) for event in verify)
     assert sum(int(e["speclanes.accepted"]) for e in verify) == done.stats.accepted
-    drafts = [s for s in trace if s.name == "draft"]
-    assert drafts and all(s.attributes["speclanes.drafter"] == "ngram" for s in drafts)
+    drafts = [e for s in trace if s.name == "draft" for e in step_events(s)]  # a span per run, too
+    assert drafts and all(e["speclanes.drafter"] == "ngram" for e in drafts if "speclanes.drafter" in e)
+    assert names[("speclanes-draft", "draft")] == -(-len(drafts) // STEPS_PER_SPAN)
     assert names[("speclanes-audit", "audit persist")] >= 1
     assert all(s.status != "ERROR" for s in trace)
 
@@ -267,7 +269,21 @@ def test_the_file_export_gives_the_same_trace(scenario: Scenario) -> None:
         filed = trace_of(scenario.files, done.request_id)
         assert_well_parented(filed)
         assert shape(filed, skip_pid) == shape(received, skip_pid)
-        assert len(shape(filed, skip_pid)) >= done.stats.steps
+        assert steps_in(filed, skip_pid) == steps_in(received, skip_pid)
+        if skip_pid is None:  # the undisturbed request: every step has its event in a verify span
+            verified = sorted(step for name, _, step in steps_in(filed, None) if name == "verify")
+            assert verified == list(range(1, done.stats.steps + 1))
+
+
+def steps_in(spans: list, skip_pid: int | None) -> list[tuple]:
+    """Each step event (verify and draft runs) as (span name, span id, step)."""
+    found = [
+        (s.name, s.span_id, int(e["speclanes.step"]))
+        for s in spans
+        if s.pid != skip_pid
+        for e in step_events(s)
+    ]
+    return sorted(found)
 
 
 def shape(spans: list, skip_pid: int | None) -> list[tuple]:
@@ -299,7 +315,7 @@ def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span
     steps = scenario.steps[done.request_id]
     drafted = sorted(e.step for e in steps if e.drafter)
     assert drafted, "ngram drafted nothing: the scenario tests nothing"
-    spans = {int(s.attributes["speclanes.step"]) for s in trace if s.name == "draft"}
+    spans = {int(e["speclanes.step"]) for s in trace if s.name == "draft" for e in step_events(s)}
     assert set(drafted) <= spans
     # The replacement verify lane's spans cover every step after the restart.
     verified_after = sorted(

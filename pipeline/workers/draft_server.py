@@ -23,6 +23,7 @@ from pipeline.decoding.grammar.drafting import following
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
 from pipeline.workers.reporting import LaneReporter, step_failed
+from pipeline.workers.step_spans import RunSpans
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class DraftServer:
     ) -> None:  # fmt: skip
         self.sources, self.vocab_size, self.lane, self.tokenizer = sources, vocab_size, lane, tokenizer
         self.active: OrderedDict[str, ActiveDraft] = OrderedDict()
+        self.spans = RunSpans(lane.telemetry, "draft")  # a span per run of a request's drafts
 
     def problem(self, msg: DraftRequest) -> str | None:
         if msg.drafter not in self.sources:
@@ -65,15 +67,18 @@ class DraftServer:
         active = self.active.get(msg.request_id)
         if active is not None and active.reply is not None and active.reply.step == msg.step:
             return active.reply
-        attributes = {
-            "speclanes.request_id": msg.request_id, "speclanes.step": msg.step, "speclanes.k": msg.k
-        }  # fmt: skip
-        with self.lane.telemetry.span("draft", msg.trace, attributes) as span:
-            reply = self.propose(msg, active)
-            if isinstance(reply, Drafted):
-                span.set_attribute("speclanes.drafted", len(reply.tokens))
-                span.set_attribute("speclanes.drafter", reply.drafter)
-            return reply
+        start_ns = time.time_ns()
+        reply = self.propose(msg, active)
+        attributes: dict[str, int | str] = {"speclanes.k": msg.k}
+        if isinstance(reply, Drafted):
+            attributes |= {"speclanes.drafted": len(reply.tokens), "speclanes.drafter": reply.drafter}
+        else:
+            attributes["speclanes.failed"] = reply.kind
+        drafted = len(reply.tokens) if isinstance(reply, Drafted) else 0
+        self.spans.record(msg.request_id, msg.trace, msg.step, attributes, {"drafted": drafted}, start_ns)
+        if msg.request_id not in self.active:  # its drafter failed: the run ends with it
+            self.spans.end(msg.request_id)
+        return reply
 
     def start(self, msg: DraftRequest, prompt: list[int]) -> Drafter:
         """The request's drafter: with a response_format, behind the grammar's forced tokens."""
@@ -91,7 +96,7 @@ class DraftServer:
                 active = ActiveDraft(self.start(msg, prompt), msg.prompt_length)
                 self.active[msg.request_id] = active
                 while len(self.active) > MAX_REQUESTS:
-                    self.active.popitem(last=False)
+                    self.spans.end(self.active.popitem(last=False)[0])
             self.active.move_to_end(msg.request_id)
             if msg.features is not None:  # the kept positions' features, before the context they explain
                 observe(active.drafter, msg.features_at, msg.features.array())
@@ -119,6 +124,7 @@ class DraftServer:
 
     def close(self, msg: Close) -> None:
         active = self.active.pop(msg.request_id, None)
+        self.spans.end(msg.request_id)
         if active is not None and msg.context:
             try:
                 active.drafter.finish(msg.context)
