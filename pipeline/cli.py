@@ -128,7 +128,13 @@ def serving_settings(args: argparse.Namespace) -> list[str]:
     """--set entries for the serving flags given, after the user's own (the last one wins)."""
     settings = list(args.set)
     if args.model is not None:
-        model = Path(args.model).expanduser()
+        from pipeline.model.default import PACKAGED, model_path
+        from pipeline.model.errors import ModelFileError
+
+        try:  # a packaged model's name is its (assembled) file
+            model = model_path(args.model) if args.model in PACKAGED else Path(args.model).expanduser()
+        except ModelFileError as exc:
+            raise ValueError(f"--model {args.model}: {exc}") from None
         if not model.is_file():
             raise ValueError(f"--model {args.model}: no such file")
         settings.append(f"model.path={model.resolve()}")

@@ -83,6 +83,12 @@ def test_start_refuses_a_model_file_that_is_not_there(tmp_path: Path, capsys):
     assert f"--model {tmp_path / 'missing.gguf'}: no such file" in capsys.readouterr().err
 
 
+def test_start_takes_a_packaged_model_by_name(gemma3_file: Path):
+    config = load_config(None, cli.serving_settings(start_args("-m", "gemma3-270m")), environ={})
+    assert config.model.path == str(gemma3_file.resolve())
+    assert config.model_id() == "gemma-3-270m-q4_k_m"
+
+
 def test_one_default_drafter_for_generate_stream_and_the_pipeline():
     parser = cli.build_parser(with_benches=False)
     generate, stream = parser.parse_args(["generate", "hi"]), parser.parse_args(["stream", "hi"])
