@@ -9,6 +9,7 @@ transformers' `apply_chat_template` configures it.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -194,9 +195,10 @@ class Tokenizer:
             **({"tools": tools} if tools is not None else {}),
         )
 
-    @property
+    @functools.cached_property
     def renders_tools(self) -> bool:
-        """Whether the chat template renders tools in the call format the server constrains."""
+        """Whether the chat template renders tools in the call format the server constrains: a parse
+        of the template, made once (admission asks for every tool request, and the template is fixed)."""
         return renders_hermes_tools(self.chat_template)
 
     def stream(self, *, skip_special: bool = False) -> TextStream:
