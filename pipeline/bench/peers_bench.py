@@ -3,14 +3,17 @@
 Rows: speclanes in this process and through a private pipeline with the drafters `none`,
 `ngram` and `auto`; HF transformers (torch CPU, float32 weights dequantized from the same GGUF
 with `gguf_file=`) plain and with `prompt_lookup_num_tokens`; llama-cpp-python plain and with
-`LlamaPromptLookupDecoding`. Every row gets the same prompt token ids (speclanes' tokenizer and
-chat template), greedy decoding, the same number of threads and exactly `--max-tokens` new tokens:
-EOS is ignored everywhere (the argmax is taken even when it is EOS), so all rows do the same work.
+`LlamaPromptLookupDecoding`. HTTP against HTTP (`http_peers`): speclanes' gateway on the same
+pipeline (`--http-drafters`) and llama-server, single stream and N clients at once. Every row gets
+the same prompt token ids (speclanes' tokenizer and chat template), greedy decoding, the same
+number of threads and exactly `--max-tokens` new tokens: EOS is ignored everywhere (the argmax is
+taken even when it is EOS), so all rows do the same work.
 
 The peers run in worker processes (`peer_workers.py`), one at a time, never two rows at once; runs
 are interleaved (each repeat visits every row, in a rotated order) and figures are medians, so
 drift on a shared machine hits every row alike. A peer that is not installed (see
-`ops/bench/install_peers.sh`) or fails to start is skipped and the output says why.
+`ops/bench/install_peers.sh`) or fails to start is skipped and the output says why; one that
+crashes during the run loses its rows, and the output says it crashed.
 
 The reference is speclanes `none` in this process. Peers with other numerics (llama.cpp's
 quantized kernels) may legitimately differ from it, so each row also says whether its output
@@ -20,19 +23,25 @@ equals its own system's plain mode: that is the exactness check for a peer's spe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from pipeline.bench import http_clients, http_peers, llama_server
 from pipeline.bench.common import (
     WORKLOADS,
     chat_prompt,
@@ -55,15 +64,16 @@ from pipeline.model.default import model_path
 from pipeline.protocol.client import Client
 
 GOAL_WORKLOADS = ("quote", "code")
-PEERS = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",)}
-PEER_NAMES = {"hf": "transformers", "llama_cpp": "llama.cpp"}
+PEERS = {"hf": ("torch", "transformers"), "llama_cpp": ("llama_cpp",), "llama_server": ()}
+PEER_NAMES = {"hf": "transformers", "llama_cpp": "llama.cpp", "llama_server": http_peers.LLAMA_SERVER}
+SERVER_PEERS = ("llama_server",)  # peers reached over HTTP; the others load in a worker process
 
 
 @dataclass(frozen=True)
 class Variant:
     """One row of the table: a system and its mode; `plain` names the row it is compared with."""
 
-    system: str  # speclanes | pipeline | transformers | llama.cpp
+    system: str  # speclanes | pipeline | transformers | llama.cpp | gateway | llama-server
     mode: str  # a drafter for speclanes, plain | lookup for the peers
     plain: str  # the mode of the same system without speculation
 
@@ -74,6 +84,14 @@ class Variant:
     @property
     def speculative(self) -> bool:
         return self.mode != self.plain
+
+    @property
+    def http(self) -> bool:
+        return self.system in http_peers.HTTP_SYSTEMS
+
+
+class PeerCrashed(RuntimeError):
+    """A peer's process died during the run: its rows are dropped and the output says why."""
 
 
 REFERENCE = Variant("speclanes", "none", "none")
@@ -86,20 +104,28 @@ progress = functools.partial(common_progress, "peers")
 
 
 def peer_missing(peer: str) -> str | None:
-    """Why a peer cannot run here (a module that does not import), or None."""
+    """Why a peer cannot run here (a module that does not import, a binary not built), or None."""
+    if peer == "llama_server":
+        return llama_server.missing()
     missing = [m for m in PEERS[peer] if importlib.util.find_spec(m) is None]
     if missing:
         return f"not installed ({', '.join(missing)}; run ops/bench/install_peers.sh)"
     return None
 
 
-def variants(drafters: list[str], pipeline: bool, peers: list[str]) -> list[Variant]:
-    """The rows in table order: the reference first."""
+def variants(
+    drafters: list[str], pipeline: bool, peers: list[str], http_drafters: tuple[str, ...] = ()
+) -> list[Variant]:
+    """The rows in table order: the reference first; the gateway's rows come with the pipeline's."""
     rows = [Variant("speclanes", d, "none") for d in drafters]
     if pipeline:
         rows += [Variant("pipeline", d, "none") for d in drafters]
+        rows += [Variant(http_peers.GATEWAY, d, "none") for d in http_drafters]
     for peer in peers:
-        rows += [Variant(PEER_NAMES[peer], m, "plain") for m in ("plain", "lookup")]
+        if peer == "llama_server":
+            rows.append(Variant(http_peers.LLAMA_SERVER, "plain", "plain"))
+        else:
+            rows += [Variant(PEER_NAMES[peer], m, "plain") for m in ("plain", "lookup")]
     return rows
 
 
@@ -133,9 +159,8 @@ class PeerWorker:
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
-            raise RuntimeError(
-                f"{PEER_NAMES[self.peer]} worker exited with code {code} (its stderr is above)"
-            )
+            why = llama_server.exit_reason(code)
+            raise PeerCrashed(f"{PEER_NAMES[self.peer]} worker {why} (its stderr is above)")
         return json.loads(line)
 
     def run(self, mode: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -163,7 +188,7 @@ def start_workers(
 ) -> dict[str, PeerWorker]:
     """Workers for the peers that are installed and start; the others go into `skipped`."""
     workers: dict[str, PeerWorker] = {}
-    for peer in peers:
+    for peer in (p for p in peers if p not in SERVER_PEERS):
         reason = peer_missing(peer)
         if reason is None:
             progress(f"loading {PEER_NAMES[peer]} in a worker process")
@@ -177,6 +202,24 @@ def start_workers(
     return workers
 
 
+def start_server(
+    peers: list[str], model_path: Path, threads: int, clients: int, slot_tokens: int, skipped: dict[str, str]
+) -> llama_server.LlamaServer | None:
+    """llama-server with a slot per client, if asked for and it starts; else None and `skipped` says why."""
+    if "llama_server" not in peers:
+        return None
+    reason = llama_server.missing()
+    if reason is None:
+        progress(f"starting llama-server (-t {threads} --parallel {max(clients, 1)})")
+        try:
+            return llama_server.LlamaServer(model_path, threads, max(clients, 1), slot_tokens)
+        except (http_clients.StreamError, OSError) as exc:
+            reason = f"failed to start: {exc}"
+    skipped[http_peers.LLAMA_SERVER] = reason
+    progress(f"skipping llama-server: {reason}")
+    return None
+
+
 # --- one run of one row ---------------------------------------------------------------
 
 
@@ -185,7 +228,7 @@ def run_in_process(model: Model, prompt: list[int], max_tokens: int, source, dra
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     completion = decode(model, prompt, params, source, k=0 if drafter == "none" else None)
     stats = completion.stats
-    return {"tokens": list(completion.tokens), "seconds": stats.wall_seconds,
+    return {"tokens": list(completion.tokens), "text": completion.text, "seconds": stats.wall_seconds,
             "first_token_seconds": stats.prefill_seconds, "steps": stats.steps}  # fmt: skip
 
 
@@ -212,18 +255,28 @@ def run_pipeline(
 
 
 class Runner:
-    """Runs any row; holds the in-process model, the repeat's pipeline client and draft sources."""
+    """Runs any row; holds the in-process model, the peers, the repeat's pipeline client, gateway
+    address and draft sources, and the peers that died during the run (`dead`: system -> why)."""
 
-    def __init__(self, model: Model, workers: dict[str, PeerWorker], max_tokens: int) -> None:
-        self.model, self.workers, self.max_tokens = model, workers, max_tokens
+    def __init__(
+        self,
+        model: Model,
+        workers: dict[str, PeerWorker],
+        server: llama_server.LlamaServer | None,
+        max_tokens: int,
+    ) -> None:
+        self.model, self.workers, self.server, self.max_tokens = model, workers, server, max_tokens
         self.client: Client | None = None
+        self.gateway: str | None = None
+        self.http = http_clients.new_client()
         self.sources: dict[str, Any] = {}
+        self.dead: dict[str, str] = {}
 
-    def new_repeat(self, drafters: list[str], client: Client | None) -> None:
+    def new_repeat(self, drafters: list[str], client: Client | None, gateway: str | None = None) -> None:
         """Fresh in-process draft sources, like the fresh pipeline: `auto`'s cross-request cache
         starts empty each repeat on both sides and is fed the same requests in the same order."""
         self.sources = {d: make_draft_source(d, self.model) for d in drafters}
-        self.client = client
+        self.client, self.gateway = client, gateway
 
     def run(self, variant: Variant, workload: str, prompt: list[int], max_tokens: int | None = None) -> dict:
         n = max_tokens or self.max_tokens
@@ -232,8 +285,62 @@ class Runner:
         if variant.system == "pipeline":
             assert self.client is not None
             return run_pipeline(self.client, WORKLOADS[workload], prompt, n, variant.mode)
+        if variant.http:
+            url = self.gateway if variant.system == http_peers.GATEWAY else self.server_url()
+            request = http_peers.body(variant.system, variant.mode, prompt, n)
+            with self.server_watch(variant):
+                return http_clients.stream(self.http, f"{url}/v1/completions", request)
         peer = next(p for p, name in PEER_NAMES.items() if name == variant.system)
         return self.workers[peer].run(variant.mode, prompt, n)
+
+    def server_url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    @contextlib.contextmanager
+    def server_watch(self, variant: Variant) -> Iterator[None]:
+        """A failed request to llama-server becomes PeerCrashed where the server has died."""
+        try:
+            yield
+        except (httpx.HTTPError, http_clients.StreamError) as exc:
+            why = (
+                self.server.crashed(wait=2.0)
+                if self.server and variant.system == http_peers.LLAMA_SERVER
+                else None
+            )
+            if why:
+                raise PeerCrashed(f"llama-server {why}") from exc
+            raise
+
+    def attempt(self, variant: Variant, workload: str, prompt: list[int], max_tokens: int | None = None):
+        """`run`, or None where the row's peer is dead or dies now (then noted in `dead`)."""
+        if variant.system in self.dead:
+            return None
+        try:
+            return self.run(variant, workload, prompt, max_tokens)
+        except PeerCrashed as exc:
+            self.dead[variant.system] = str(exc)
+            progress(f"{variant.system} crashed, its rows are dropped: {exc}")
+            return None
+
+    def clients_phase(
+        self, variant: Variant, prompts: dict[str, list[int]], clients: int, settings: list[str]
+    ) -> tuple[dict | None, float]:
+        """An HTTP row's N-clients phase (None where its peer is dead or dies now), and the CPU
+        seconds of the pipeline started for it."""
+        if variant.system in self.dead:
+            return None, 0.0
+        if variant.system == http_peers.GATEWAY:
+            return http_peers.gateway_phase(settings, variant.mode, prompts, clients, self.max_tokens)
+        try:
+            with self.server_watch(variant):
+                phase = http_peers.drive(self.server_url(), variant.system, variant.mode, prompts, clients,
+                                         self.max_tokens)  # fmt: skip
+                return phase, 0.0
+        except PeerCrashed as exc:
+            self.dead[variant.system] = str(exc)
+            progress(f"{variant.system} crashed, its rows are dropped: {exc}")
+            return None, 0.0
 
 
 # --- the run --------------------------------------------------------------------------
@@ -251,44 +358,82 @@ def one_repeat(
         progress(f"repeat {repeat + 1}: {workload}")
         for variant in rotated(rows, repeat):
             time.sleep(0.2)  # let the previous row's spinning thread pools go idle
-            runs[workload][variant.name].append(runner.run(variant, workload, prompt))
+            if (result := runner.attempt(variant, workload, prompt)) is not None:
+                runs[workload][variant.name].append(result)
 
 
-def measure(args: argparse.Namespace, model: Model, rows: list[Variant], runner: Runner) -> tuple[dict, dict]:
-    """All repeats; a fresh pipeline per repeat if pipeline rows are in. Returns runs and load figures."""
+def piped_repeat(
+    runner: Runner, rows: list[Variant], prompts: dict[str, list[int]], repeat: int, runs: dict,
+    settings: list[str], drafters: list[str],
+) -> float:  # fmt: skip
+    """One repeat on a fresh pipeline, its gateway on where gateway rows are in; returns the CPU
+    seconds its processes used."""
+    port = http_clients.free_port()
+    gateway = f"http://127.0.0.1:{port}" if any(v.system == http_peers.GATEWAY for v in rows) else None
+    extra = http_peers.gateway_settings(port) if gateway else []
+    with (
+        running_pipeline([*settings, *extra]) as config,
+        Client(config.addresses.client, timeout=60.0) as client,
+    ):
+        if gateway:
+            http_clients.wait_healthy(gateway, 60.0)
+        pids = list(lane_pids(client.status()).values())
+        lanes0 = process_cpu(pids)
+        runner.new_repeat(drafters, client, gateway)
+        if repeat == 0:
+            warm_up(runner, rows, prompts)
+        one_repeat(runner, rows, prompts, repeat, runs)
+        return process_cpu(pids) - lanes0
+
+
+def clients_round(
+    runner: Runner, rows: list[Variant], prompts: dict[str, list[int]], repeat: int, phases: dict,
+    clients: int, settings: list[str],
+) -> float:  # fmt: skip
+    """Every HTTP row's N-clients phase once, in an order rotated by the repeat; returns the CPU
+    seconds of the pipelines started for them."""
+    cpu = 0.0
+    for variant in rotated([v for v in rows if v.http], repeat):
+        progress(f"repeat {repeat + 1}: {clients} clients, {variant.name}")
+        phase, used = runner.clients_phase(variant, prompts, clients, settings)
+        if phase is not None:
+            phases[variant.name].append(phase)
+        cpu += used
+    return cpu
+
+
+def measure(
+    args: argparse.Namespace, model: Model, rows: list[Variant], runner: Runner
+) -> tuple[dict, dict, dict]:
+    """All repeats; a fresh pipeline per repeat if pipeline or gateway rows are in, then the HTTP
+    rows' clients phases. Returns the single-stream runs, the clients phases and load figures."""
     prompts = {w: chat_prompt(model, text) for w, text in WORKLOADS.items()}
     runs: dict = {w: {v.name: [] for v in rows} for w in prompts}
-    drafters = sorted({v.mode for v in rows if v.system in ("speclanes", "pipeline")})
+    phases: dict = {v.name: [] for v in rows if v.http}
+    drafters = sorted({v.mode for v in rows if v.system in ("speclanes", "pipeline", http_peers.GATEWAY)})
     settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
-    ours = [os.getpid(), *(w.proc.pid for w in runner.workers.values())]
+    server = [runner.server.proc.pid] if runner.server else []
+    ours = [os.getpid(), *(w.proc.pid for w in runner.workers.values()), *server]
     started, busy0, load0 = time.perf_counter(), machine_busy_seconds(), os.getloadavg()
     own_cpu, own0 = 0.0, process_cpu(ours)
     for repeat in range(args.repeats):
         progress(f"repeat {repeat + 1}/{args.repeats}, load average {os.getloadavg()[0]:.2f}")
-        if any(v.system == "pipeline" for v in rows):
-            with (
-                running_pipeline(settings) as config,
-                Client(config.addresses.client, timeout=60.0) as client,
-            ):
-                pids = list(lane_pids(client.status()).values())
-                lanes0 = process_cpu(pids)
-                runner.new_repeat(drafters, client)
-                if repeat == 0:
-                    warm_up(runner, rows, prompts)
-                one_repeat(runner, rows, prompts, repeat, runs)
-                own_cpu += process_cpu(pids) - lanes0
+        if any(v.system in ("pipeline", http_peers.GATEWAY) for v in rows):
+            own_cpu += piped_repeat(runner, rows, prompts, repeat, runs, settings, drafters)
         else:
             runner.new_repeat(drafters, None)
             if repeat == 0:
                 warm_up(runner, rows, prompts)
             one_repeat(runner, rows, prompts, repeat, runs)
+        if args.clients:
+            own_cpu += clients_round(runner, rows, prompts, repeat, phases, args.clients, settings)
     wall = time.perf_counter() - started
     own_cpu += process_cpu(ours) - own0
     machine = (machine_busy_seconds() - busy0) / wall
     load = {"loadavg_start": load0, "loadavg_end": os.getloadavg(), "wall_seconds": wall,
             "cores_busy_ours": own_cpu / wall, "cores_busy_others": max(0.0, machine - own_cpu / wall),
             "cores": os.cpu_count()}  # fmt: skip
-    return runs, load
+    return runs, phases, load
 
 
 def warm_up(runner: Runner, rows: list[Variant], prompts: dict[str, list[int]]) -> None:
@@ -297,8 +442,8 @@ def warm_up(runner: Runner, rows: list[Variant], prompts: dict[str, list[int]]) 
     progress("warming up every row")
     workload, prompt = next(iter(prompts.items()))
     for variant in rows:
-        runner.run(variant, workload, prompt, max_tokens=8)
-    runner.new_repeat(list(runner.sources), runner.client)
+        runner.attempt(variant, workload, prompt, max_tokens=8)
+    runner.new_repeat(list(runner.sources), runner.client, runner.gateway)
 
 
 # --- summary --------------------------------------------------------------------------
@@ -429,6 +574,8 @@ def render(results: dict, chart: str | None) -> str:
         "",
         *render_goal(results["goal"]),
         "",
+        *http_peers.render(results["http"], m["clients"]),
+        "",
         f"Versions: {', '.join(f'{k} {v}' for k, v in m['versions'].items())}. Prompt lookup: "
         f"{m['lookup_tokens']} tokens per draft in both peers (their default n-gram sizes).",
         f"Machine load: loadavg {fmt_load(load['loadavg_start'])} at start, {fmt_load(load['loadavg_end'])} "
@@ -492,12 +639,26 @@ def plot(summary: dict, path: Path, title: str) -> bool:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`speclanes bench peers` and its flags."""
     parser = sub.add_parser(
-        "peers", help="speclanes vs transformers and llama-cpp-python (ops/bench/install_peers.sh)"
+        "peers",
+        help="speclanes vs transformers, llama-cpp-python and llama-server (ops/bench/install_peers.sh)",
     )
     add_common_flags(parser, repeats=3)
-    parser.add_argument("--peers", default="hf,llama_cpp", help="peers to run (skipped if missing)")
+    parser.add_argument(
+        "--peers", default="hf,llama_cpp,llama_server", help="peers to run (skipped if missing)"
+    )
     parser.add_argument("--drafters", default="none,ngram,auto", help="speclanes drafters")
-    parser.add_argument("--no-pipeline", action="store_true", help="speclanes in-process rows only")
+    parser.add_argument(
+        "--http-drafters", default="none,auto", help="drafters of the gateway's rows ('': none)"
+    )
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=8,
+        help="concurrent HTTP clients, and llama-server's slots (0: no such phase)",
+    )
+    parser.add_argument(
+        "--no-pipeline", action="store_true", help="speclanes in-process rows only (no gateway)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens (EOS ignored)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="peers' prompt-lookup drafts")
     parser.add_argument(
@@ -506,37 +667,74 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_set_flag(parser)
 
 
+def slot_tokens(model: Model, max_tokens: int) -> int:
+    """A llama-server slot's context: the longest workload prompt, the answer and some room, in 256s."""
+    longest = max(len(chat_prompt(model, text)) for text in WORKLOADS.values())
+    return -(-(longest + max_tokens + 64) // 256) * 256
+
+
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops pipelines and servers
     served = model_path(args.model)
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or 2)
     drafters = ["none", *(d for d in args.drafters.split(",") if d != "none")]
+    http_drafters = tuple(d for d in args.http_drafters.split(",") if d)
     skipped: dict[str, str] = {}
     peers = [p for p in args.peers.split(",") if p]
     model = load_model(served, set_backend(args.set))
     workers = start_workers(peers, served, threads, args.lookup_tokens, skipped)
-    rows = variants(drafters, not args.no_pipeline, list(workers))
-    runner = Runner(model, workers, args.max_tokens)
+    server = start_server(peers, served, threads, args.clients, slot_tokens(model, args.max_tokens), skipped)
+    found = [p for p in peers if p in workers or (p == "llama_server" and server)]
+    rows = variants(drafters, not args.no_pipeline, found, http_drafters)
+    runner = Runner(model, workers, server, args.max_tokens)
     try:
-        runs, load = measure(args, model, rows, runner)
+        runs, phases, load = measure(args, model, rows, runner)
     finally:
+        runner.http.close()
         for worker in workers.values():
             worker.close()
+        if server:
+            server.close()
+    for system, why in runner.dead.items():
+        skipped[system] = f"crashed during the run: {why}"
+    results = results_of(args, model, rows, runner, runs, phases) | {"load": load, "skipped": skipped}
+    results["meta"] |= {"date": datetime.date.today().isoformat(), "model": served.name, "threads": threads}
+    write_outputs(args, results)
+    speclanes_equal = all(
+        r["reference"]["equal"] for r in summary_rows(results["summary"], "speclanes", "pipeline")
+    )
+    return 0 if speclanes_equal and http_peers.gateway_equal(results["http"]) else 1
+
+
+def results_of(
+    args: argparse.Namespace, model: Model, rows: list[Variant], runner: Runner, runs: dict, phases: dict
+) -> dict:
+    """The summaries of the rows whose peer lived through the run, the goals and the run's settings."""
     import numpy
 
     versions = {"numpy": numpy.__version__}
-    for worker in workers.values():
+    for worker in runner.workers.values():
         versions.update({k: str(v) for k, v in worker.info.items() if k != "threads"})
-    summary = summarise(runs, rows)
-    results = {
-        "meta": {"date": datetime.date.today().isoformat(), "model": served.name,
-                 "cpu": f"{cpu_name()}, {os.cpu_count()} cores", "cpu_flags": kernel_flags(),
+    if runner.server:
+        versions["llama-server"] = (
+            f"llama-cpp-python {llama_server.VENDORED} vendored ({llama_server.binary()})"
+        )
+    alive = [v for v in rows if v.system not in runner.dead]
+    direct, http = [v for v in alive if not v.http], [v for v in alive if v.http]
+    summary = summarise({w: {v.name: by[v.name] for v in direct} for w, by in runs.items()}, direct)
+    references = {w: by[REFERENCE.name][0]["text"] for w, by in runs.items()}
+    single = {w: {v.name: by[v.name] for v in http} for w, by in runs.items()}
+    http_summary = http_peers.summarise(
+        single, {v.name: phases[v.name] for v in http}, references, args.max_tokens
+    )
+    return {
+        "meta": {"cpu": f"{cpu_name()}, {os.cpu_count()} cores", "cpu_flags": kernel_flags(),
                  "runtime": backend_key(model), "kernel_path": model.describe(),
-                 "max_tokens": args.max_tokens, "threads": threads, "repeats": args.repeats,
+                 "max_tokens": args.max_tokens, "repeats": args.repeats, "clients": args.clients,
                  "lookup_tokens": args.lookup_tokens, "versions": versions},
-        "summary": summary, "goal": goal(summary), "load": load, "skipped": skipped,
+        "summary": summary, "goal": goal(summary), "http": http_summary,
+        "http_speedups": http_peers.speedups(http_summary),
     }  # fmt: skip
-    write_outputs(args, results)
-    return 0 if all(r["reference"]["equal"] for r in summary_rows(summary, "speclanes", "pipeline")) else 1
 
 
 def summary_rows(summary: dict, *systems: str) -> list[dict]:

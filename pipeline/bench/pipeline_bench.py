@@ -3,9 +3,11 @@
 Single stream: the same prompt tokens decoded in this process (`speculative.decode`) and
 through a running pipeline (client -> orchestrator -> draft and verify lanes), greedy,
 with a fixed number of new tokens, so any difference in tokens/s is the price of the
-processes, sockets and polling. The two paths take turns (never at the same time: the
-machine has 2 cores), repeats are interleaved and figures are medians. The pipeline is
-timed as a client sees it, from submit to the final object.
+processes, sockets and polling. A third path goes through the pipeline's HTTP gateway, as
+most users reach it: `/v1/chat/completions` streamed with SSE (`http_clients`, timed by the
+client from sending the request to its last event). The paths take turns (never at the same
+time: the machine has 2 cores), repeats are interleaved and figures are medians. The pipeline
+is timed as a client sees it, from submit to the final object.
 
 Load: the same distinct prompts from 1 client, then from N concurrent clients. The gain
 comes from the verify lane putting several requests' rows through one forward, so the
@@ -26,9 +28,12 @@ import os
 import signal
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Callable
 
+import httpx
+
+from pipeline.bench import http_clients
 from pipeline.bench.common import (
     WORKLOADS,
     busy_cores,
@@ -42,6 +47,8 @@ from pipeline.bench.common import (
 )
 from pipeline.bench.common import progress as common_progress
 from pipeline.bench.flags import add_common_flags, add_set_flag, at_least_one
+from pipeline.bench.http_peers import gateway_settings
+from pipeline.bench.together import together
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
@@ -63,6 +70,7 @@ LOAD_PROMPTS = (
     "Invent the plot of a heist movie set in a museum of clocks.",
 )
 OVERHEAD_TARGET = 0.90  # the pipeline may lose at most 10% of in-process tokens/s
+GATEWAY_TARGET = 0.90  # issue 25: through the HTTP gateway with SSE, at least 0.90x of in-process
 SCALING_TARGET = 3.0  # N clients should get at least 3x the aggregate tokens/s of one
 PROCESSES = ("verify", "orchestrator", "draft", "audit")
 CORES_HEADER = "cores busy: verify orch draft audit clients others"
@@ -89,13 +97,24 @@ def in_process(model: Model, prompt: list[int], params: SamplingParams, source, 
     }  # fmt: skip
 
 
+def via_gateway(http: httpx.Client, url: str, text: str, params: SamplingParams, drafter: str) -> dict:
+    """The same chat request through the HTTP gateway, streamed (SSE), timed by the client."""
+    body = {
+        "messages": [{"role": "user", "content": text}], "max_tokens": params.max_tokens,
+        "temperature": 0, "ignore_eos": params.ignore_eos, "speculation": {"drafter": drafter},
+    }  # fmt: skip
+    return http_clients.stream(http, f"{url}/v1/chat/completions", body)
+
+
 # --- 1. single stream -----------------------------------------------------------------
 
 
 def single_stream(
-    model: Model, config: Config, drafters: list[str], repeats: int, params: SamplingParams
-) -> dict:
-    """Each request in process, then through the pipeline (the other way round on odd repeats).
+    model: Model, config: Config, drafters: list[str], repeats: int, params: SamplingParams,
+    gateway: str | None = None,
+) -> dict:  # fmt: skip
+    """Each request in process, through the pipeline and, where `gateway` is its URL, through the
+    HTTP gateway, in an order rotated by the repeat.
 
     The in-process `auto` source lives for the whole run, like the draft lane's: both
     cross-request caches are fed by the same requests in the same order."""
@@ -103,11 +122,14 @@ def single_stream(
     path = model_path(config.model.path)
     head = head_for(path, model.cfg, model.embed, config.model.draft_head or None)
     sources = {name: make_draft_source(name, model, None, head) for name in drafters}
-    runs: dict = {w: {d: {"in_process": [], "pipeline": []} for d in drafters} for w in WORKLOADS}
-    with Client(config.addresses.client, timeout=60.0) as client:
+    paths = ("in_process", "pipeline", *(("gateway",) if gateway else ()))
+    runs: dict = {w: {d: {path: [] for path in paths} for d in drafters} for w in WORKLOADS}
+    with Client(config.addresses.client, timeout=60.0) as client, http_clients.new_client() as http:
         warm = SamplingParams(max_tokens=16, ignore_eos=True)
         in_process(model, chat_prompt(model, "Hello."), warm, sources["none"], "none")
         via_pipeline(client, "Hello.", warm, "none")
+        if gateway:
+            via_gateway(http, gateway, "Hello.", warm, "none")
         pids, started = lane_pids(client.status()), time.perf_counter()
         cpu_before = cpu_snapshot(pids)
         for repeat in range(repeats):
@@ -115,12 +137,14 @@ def single_stream(
             for workload, text in WORKLOADS.items():
                 prompt = chat_prompt(model, text)
                 for name in drafters:
-                    for path in sorted(("in_process", "pipeline"), reverse=bool(repeat % 2)):
+                    for path in paths[repeat % len(paths) :] + paths[: repeat % len(paths)]:
                         time.sleep(0.1)  # let the other side's BLAS threads go idle
                         if path == "in_process":
                             result = in_process(model, prompt, params, sources[name], name)
-                        else:
+                        elif path == "pipeline":
                             result = via_pipeline(client, text, params, name)
+                        else:
+                            result = via_gateway(http, gateway or "", text, params, name)
                         runs[workload][name][path].append(result)
         cores = busy_cores(cpu_before, cpu_snapshot(pids), time.perf_counter() - started)
     return {
@@ -152,7 +176,25 @@ def summarise_stream(by_drafter: dict) -> dict:
             "acceptance_pipeline": piped[-1]["acceptance_rate"],
             "identical": all(same_output(r, base) for r in local + piped),
         }
+        if paths.get("gateway"):
+            out[name] |= gateway_figures(paths["gateway"], here, base)
     return out
+
+
+def gateway_figures(runs: list[dict], in_process_rate: float, base: dict) -> dict:
+    """The gateway path's median tok/s, its ratio to in-process, and whether every output's text,
+    length and prompt length equal the reference's (an HTTP client sees no token ids)."""
+    rate = statistics.median(r["tokens_per_second"] for r in runs)
+    same = all(
+        r["text"] == base["text"] and r["count"] == len(base["tokens"])
+        and r["prompt_count"] == len(base["prompt_tokens"])
+        for r in runs
+    )  # fmt: skip
+    return {
+        "gateway_tokens_per_second": rate,
+        "gateway_ratio": rate / in_process_rate,
+        "gateway_identical": same,
+    }
 
 
 # --- 2. load --------------------------------------------------------------------------
@@ -169,32 +211,16 @@ def drive_clients(
 ) -> tuple[list[dict], float]:
     """Prompts dealt round-robin to `clients` threads, each with its own connection, started
     together; returns the outputs in prompt order and the wall time from first start to last end."""
-    results: list[dict | None] = [None] * len(prompts)
-    errors: list[BaseException] = []
-    spans: list[tuple[float, float]] = []
-    barrier = threading.Barrier(clients)
 
-    def work(index: int) -> None:
-        try:
-            with Client(address, timeout=60.0) as client:
-                barrier.wait()
-                start = time.perf_counter()
-                for i in range(index, len(prompts), clients):
-                    results[i] = via_pipeline(client, prompts[i], params, drafter)
-                spans.append((start, time.perf_counter()))
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-            barrier.abort()
+    def one_client(index: int, ready: Callable[[], None]) -> list[tuple[int, dict]]:
+        with Client(address, timeout=60.0) as client:
+            ready()
+            mine = range(index, len(prompts), clients)
+            return [(i, via_pipeline(client, prompts[i], params, drafter)) for i in mine]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    wall = max(end for _, end in spans) - min(start for start, _ in spans)
-    return [r for r in results if r is not None], wall
+    per_client, wall = together(clients, one_client)
+    by_prompt = dict(pair for pairs in per_client for pair in pairs)
+    return [by_prompt[i] for i in range(len(prompts))], wall
 
 
 def load_phase(
@@ -323,9 +349,15 @@ def headline(results: dict) -> dict:
         for name, r in by_drafter.items()
         if name in ("none", "ngram")
     ]
+    gateway = [
+        r["gateway_ratio"]
+        for by_drafter in results["single_stream"]["workloads"].values()
+        for name, r in by_drafter.items()
+        if name in ("none", "ngram") and "gateway_ratio" in r
+    ]
     scaling = {name: d["scaling"] for name, d in results["load"]["drafters"].items()}
     identical = all(
-        r["identical"]
+        r["identical"] and r.get("gateway_identical", True)
         for by_drafter in results["single_stream"]["workloads"].values()
         for r in by_drafter.values()
     ) and all(
@@ -336,6 +368,10 @@ def headline(results: dict) -> dict:
         "overhead_median_ratio": statistics.median(ratios) if ratios else None,
         "overhead_target": OVERHEAD_TARGET,
         "overhead_met": bool(ratios) and min(ratios) >= OVERHEAD_TARGET,
+        "gateway_worst_ratio": min(gateway) if gateway else None,
+        "gateway_median_ratio": statistics.median(gateway) if gateway else None,
+        "gateway_target": GATEWAY_TARGET,
+        "gateway_met": bool(gateway) and min(gateway) >= GATEWAY_TARGET,
         "scaling": scaling,
         "scaling_target": SCALING_TARGET,
         "scaling_met": all(s >= SCALING_TARGET for s in scaling.values()),
@@ -343,32 +379,48 @@ def headline(results: dict) -> dict:
     }
 
 
+def gateway_columns(r: dict | None) -> str:
+    """The gateway's tok/s and ratio to in-process (a header where `r` is None; blank where the run
+    had no gateway path)."""
+    if r is None:
+        return f"{'gateway':>8} {'ratio':>6} "
+    if "gateway_ratio" not in r:
+        return ""
+    return f"{r['gateway_tokens_per_second']:>8.1f} {r['gateway_ratio']:>5.2f}x "
+
+
 def render_stream(single: dict) -> list[str]:
+    rows = [r for by_drafter in single["workloads"].values() for r in by_drafter.values()]
+    gateway = any("gateway_ratio" in r for r in rows)
     lines = [
-        "Single stream: in-process decode vs the pipeline (client-side wall time, prefill included)",
+        "Single stream: in-process decode vs the pipeline"
+        + (" and the HTTP gateway (SSE)" if gateway else "")
+        + " (client-side wall time, prefill included)",
         f"{'workload':<8} {'drafter':<7} {'tokens':>6} {'in-proc':>8} {'pipeline':>8} {'ratio':>6} "
-        f"{'orch':>7} {'steps':>9} {'accept':>9}  same text",
+        f"{gateway_columns(None) if gateway else ''}{'orch':>7} {'steps':>9} {'accept':>9}  same text",
     ]
     for workload, by_drafter in single["workloads"].items():
         for name, r in by_drafter.items():
+            same = r["identical"] and r.get("gateway_identical", True)
             lines.append(
                 f"{workload:<8} {name:<7} {r['tokens']:>6} {r['in_process_tokens_per_second']:>8.1f} "
-                f"{r['pipeline_tokens_per_second']:>8.1f} {r['ratio']:>5.2f}x "
+                f"{r['pipeline_tokens_per_second']:>8.1f} {r['ratio']:>5.2f}x {gateway_columns(r)}"
                 f"{r['pipeline_orchestrator_tokens_per_second']:>7.1f} "
                 f"{r['in_process_steps']:>4}/{r['pipeline_steps']:<4} "
                 f"{r['acceptance_in_process']:>4.2f}/{r['acceptance_pipeline']:<4.2f}  "
-                f"{'yes' if r['identical'] else 'NO'}"
+                f"{'yes' if same else 'NO'}"
             )
     lines.append(
-        "(tok/s medians; orch = the orchestrator's own tok/s; steps and accept: in-process/pipeline. "
+        "(tok/s medians; gateway: `/v1/chat/completions` streamed, SSE with include_usage, timed by the "
+        "client; orch = the orchestrator's own tok/s; steps and accept: in-process/pipeline. "
         "auto: both sides keep one cross-request suffix cache through the run, fed by the same "
         "requests in the same order, so later repeats draft from earlier ones; none/ngram are the headline.)"
     )
     cores = single["cores"]
     lines.append(
         f"cores busy on average: in-process + clients {cores['clients']:.2f}, pipeline "
-        f"{sum(cores.get(p, 0.0) for p in PROCESSES):.2f}, other processes {cores['others']:.2f} "
-        f"(of {os.cpu_count()})"
+        f"{sum(cores.get(p, 0.0) for p in (*PROCESSES, 'gateway')):.2f}, "
+        f"other processes {cores['others']:.2f} (of {os.cpu_count()})"
     )
     return lines
 
@@ -419,11 +471,22 @@ def render(results: dict) -> str:
         f"Overhead (none, ngram): worst pipeline/in-process {h['overhead_worst_ratio']:.2f}x, "
         f"median {h['overhead_median_ratio']:.2f}x (target >= {OVERHEAD_TARGET:.2f}x: "
         f"{'met' if h['overhead_met'] else 'NOT met'})",
+        *render_gateway(h),
         f"Scaling at {results['load']['clients']} clients: {scaling} (target >= {SCALING_TARGET:.1f}x: "
         f"{'met' if h['scaling_met'] else 'NOT met'})",
         f"Outputs identical everywhere: {'yes' if h['identical'] else 'NO'}",
     ]
     return "\n".join(lines)
+
+
+def render_gateway(h: dict) -> list[str]:
+    if h["gateway_worst_ratio"] is None:
+        return []
+    return [
+        f"Through the HTTP gateway (none, ngram): worst gateway/in-process {h['gateway_worst_ratio']:.2f}x, "
+        f"median {h['gateway_median_ratio']:.2f}x (target >= {GATEWAY_TARGET:.2f}x: "
+        f"{'met' if h['gateway_met'] else 'NOT met'})"
+    ]
 
 
 def with_reference(names: str) -> list[str]:
@@ -433,9 +496,12 @@ def with_reference(names: str) -> list[str]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`speclanes bench pipeline` and its flags."""
-    parser = sub.add_parser("pipeline", help="pipeline vs in-process tokens/s, and 1 vs N concurrent clients")
+    parser = sub.add_parser(
+        "pipeline", help="pipeline and HTTP gateway vs in-process tokens/s, and 1 vs N clients"
+    )
     add_common_flags(parser, repeats=3)
     parser.add_argument("--drafters", default="none,ngram,auto", help="single-stream drafters")
+    parser.add_argument("--no-gateway", action="store_true", help="no single-stream path through HTTP")
     parser.add_argument("--max-tokens", type=int, default=128, help="single stream (EOS ignored)")
     parser.add_argument("--load-drafters", default="none,auto", help="drafters of the load test")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients in the load test")
@@ -452,8 +518,12 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops our pipelines
     model = load_model(model_path(args.model), set_backend(args.set))
     stream_params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    with running_pipeline(settings) as config:
-        single = single_stream(model, config, drafters, args.repeats, stream_params)
+    port = http_clients.free_port()
+    gateway = None if args.no_gateway else f"http://127.0.0.1:{port}"
+    with running_pipeline([*settings, *(gateway_settings(port) if gateway else [])]) as config:
+        if gateway:
+            http_clients.wait_healthy(gateway, 60.0)
+        single = single_stream(model, config, drafters, args.repeats, stream_params, gateway)
     load_params = SamplingParams(max_tokens=args.load_tokens, ignore_eos=True)
     load_results = load(settings, load_drafters, args.clients, args.load_repeats, load_params)
     load_results["ceiling"] = batch_ceiling(model, load_prompts(args.clients), args.load_tokens)
