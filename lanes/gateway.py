@@ -3,9 +3,11 @@ supervisor like any lane (lifeline, heartbeats, restarts), on hypercorn's trio w
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import hypercorn.trio
+import trio
 
 from lanes.lane import LaneContext, lane_main
 from pipeline.api.server import Gateway, exception_leaves, hypercorn_config
@@ -14,11 +16,17 @@ log = logging.getLogger(__name__)
 
 
 async def serve(lane: LaneContext) -> None:
+    """Up (its heartbeats) only once hypercorn listens: it runs the app's lifespan first, and a
+    heartbeat sent meanwhile told clients to connect to a port that refused them."""
+    lane.serving = False
     gateway = Gateway(lane.config, lane.state, lane.telemetry)  # HTTP server spans: api/http_spans.py
     log.info("serving model %s over HTTP; orchestrator at %s", gateway.model, lane.config.addresses.client)
     settings = hypercorn_config(lane.config)
     try:
-        await hypercorn.trio.serve(gateway.app(), settings)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(hypercorn.trio.serve, gateway.app(), settings))
+            lane.serving = True
+            lane.heartbeat()
     except* OSError as group:  # most often the port is taken: say so in one line, not a traceback
         leaves = [exc for exc in exception_leaves(group) if isinstance(exc, OSError)]
         log.error("cannot serve HTTP on %s: %s", settings.bind[0], leaves[0] if leaves else group)

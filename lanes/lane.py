@@ -42,6 +42,9 @@ class LaneContext:
         self.control = Outbox(config.addresses.control, config.tls)
         self.telemetry = telemetry
         self.data: Outbox | None = None  # to the orchestrator's data inbox, for lanes that reply
+        # False while the lane cannot serve yet (the gateway before its HTTP socket listens): it sends no
+        # heartbeat, so nobody sees it "up" and connects to a port nothing listens on.
+        self.serving = True
 
     def replies(self, address: str | None = None) -> Outbox:
         """The lane's Outbox for its replies: the orchestrator's data inbox, or `address` (the draft
@@ -70,8 +73,8 @@ class LaneContext:
         self.telemetry.fault(trace, kind, self.name, message, request_id=request_id, step=step)
 
     def heartbeat(self) -> None:
-        if self.data is not None and not self.data.connected():
-            return  # not reachable from here yet: not up
+        if not self.serving or (self.data is not None and not self.data.connected()):
+            return  # not serving or not reachable from here yet: not up
         # Its own CPU and memory: the orchestrator exports them but may not see this host's /proc.
         stats = ProcessStats.measure()
         beat = Heartbeat(lane=self.name, pid=self.pid, state=self.state, runtime=self.runtime, process=stats)

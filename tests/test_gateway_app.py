@@ -46,6 +46,11 @@ class Orchestrator:
             Result,
         )  # fmt: skip
 
+    async def stream(self, request_id: str) -> AsyncIterator[list[Chunk | Result]]:
+        """`AsyncClient.stream`: the chunks in batches, here one item each."""
+        async for item in self.chunks(request_id):
+            yield [item]
+
     async def cancel(self, request_id: str) -> None:
         pass
 

@@ -42,7 +42,17 @@ from hypothesis import strategies as st
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.client import Client, PipelineError
-from pipeline.protocol.messages import ClientReply, Codec, ErrorReply, Poll, Submit, Submitted
+from pipeline.protocol.messages import (
+    ClientReply,
+    Codec,
+    Cursor,
+    ErrorReply,
+    Poll,
+    Submit,
+    Submitted,
+    Watch,
+    Watched,
+)
 
 from .pipeline_harness import Pipeline, alive, running_pipeline
 from .test_gateway import _raw_post, assert_error, fetch_json
@@ -234,6 +244,10 @@ def test_another_client_cannot_poll_or_cancel_a_request_knowing_only_its_id(pipe
                 stranger.cancel(request_id, secret=secret)
             assert cancelled.value.kind == "unknown_request"
             assert "secret" not in polled.value.message + cancelled.value.message
+            cursor = Cursor(request_id, secret or "")  # a Watch with the wrong secret: unknown, at once
+            assert stranger.call(Watch(watcher="w", cursors=[cursor], wait=5.0)) == Watched(
+                streams=[], unknown=[request_id]
+            )
         rest = list(stream)
         done = rest[-1]
         assert isinstance(done, Result) and done.finish_reason != "cancelled"
@@ -246,6 +260,11 @@ def test_another_client_cannot_poll_or_cancel_a_request_knowing_only_its_id(pipe
         with pytest.raises(PipelineError) as nan_wait:
             owner.call(Poll(request_id=request_id, secret=submitted.secret, wait=math.nan))
         assert nan_wait.value.kind == "bad_request" and "wait" in nan_wait.value.message
+        with pytest.raises(PipelineError) as nan_watch:
+            owner.call(Watch(watcher="w", cursors=[Cursor(request_id, submitted.secret)], wait=math.nan))
+        assert nan_watch.value.kind == "bad_request" and "wait" in nan_watch.value.message
+        watched = stranger.call(Watch(watcher="w", cursors=[Cursor(request_id, submitted.secret, 2)]))
+        assert watched.streams[0].chunks == resumed[3:-1] and watched.streams[0].done == done
         # ... and cancels: a second request, cancelled by the stranger holding its secret.
         long = owner.submit(CODE, chat=True, params=SamplingParams(max_tokens=2000, ignore_eos=True))
         stranger.cancel(long.request_id, secret=long.secret)

@@ -29,6 +29,7 @@ from pipeline.protocol.messages import (
     Close,
     Codec,
     ControlInbox,
+    Cursor,
     DataInbox,
     Decided,
     Detokenize,
@@ -67,6 +68,8 @@ from pipeline.protocol.messages import (
     Tokens,
     Verify,
     VerifyInbox,
+    Watch,
+    Watched,
     encode,
 )
 
@@ -264,6 +267,14 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
         max_iterations=st.none() | small,
     ),
     Poll: st.builds(Poll, request_id=ids, after=st.integers(-1, 2**31), wait=finite),
+    Watch: st.builds(
+        Watch,
+        watcher=text,
+        cursors=st.lists(
+            st.builds(Cursor, request_id=ids, secret=text, after=st.integers(-1, 2**31)), max_size=4
+        ),
+        wait=finite,
+    ),
     Cancel: st.builds(Cancel, request_id=ids),
     StatusQuery: st.builds(StatusQuery),
     MetricsQuery: st.builds(MetricsQuery),
@@ -289,6 +300,16 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
         done=st.none() | results,
     ),
     ErrorReply: st.builds(ErrorReply, kind=text, message=text),
+    Watched: st.builds(
+        Watched,
+        streams=st.lists(
+            st.builds(
+                Chunks, request_id=ids, chunks=st.lists(st.builds(Chunk, seq=small, text=text), max_size=2)
+            ),
+            max_size=3,
+        ),
+        unknown=st.lists(ids, max_size=2),
+    ),
     StatusReport: st.builds(
         StatusReport,
         lanes=st.lists(
@@ -329,7 +350,7 @@ def union_messages(union: object) -> st.SearchStrategy:
 def test_every_union_member_has_a_strategy():
     every = {kind for union in UNIONS.values() for kind in members(union)}
     assert every == set(STRATEGIES)
-    assert len(every) == 35  # Close goes to the verify and the draft lane
+    assert len(every) == 37  # Close goes to the verify and the draft lane
 
 
 # --- round trips ----------------------------------------------------------------------

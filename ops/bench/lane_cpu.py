@@ -14,9 +14,11 @@ this process as the client, and the machine's other work).
 Heartbeats, ticks and polls cost CPU by the second whether tokens flow or not, so on a busy machine
 (fewer tokens a second) the gross figure grows; `net` first measures each process idle for
 `--idle-seconds` and takes that rate times the stream's duration off, leaving what the tokens cost.
-Run from the repository's root:
+`--http PORT` streams through the HTTP gateway instead (chat completions as Server-Sent Events, read
+with httpx; the gateway serves on PORT and its CPU is counted too). Run from the repository's root:
 
-    .venv/bin/python ops/bench/lane_cpu.py [--tokens 1000] [--repeats 3] [--clients 1] [--set K=V] [--json]
+    .venv/bin/python ops/bench/lane_cpu.py [--tokens 1000] [--repeats 3] [--clients 1] [--http PORT]
+        [--set K=V] [--json]
 
 To compare two commits side by side, run the script of each from its own worktree, alternating.
 """
@@ -32,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.bench.common import (
@@ -46,7 +50,7 @@ from pipeline.bench.pipeline_bench import LOAD_PROMPTS
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.client import Client
 
-PROCESSES = ("verify", "orchestrator", "audit", "draft", "supervisor", "clients", "others")
+PROCESSES = ("verify", "orchestrator", "gateway", "audit", "draft", "supervisor", "clients", "others")
 
 
 def parent_pid(pid: int) -> int:
@@ -71,11 +75,32 @@ def idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
     return {name: used / seconds for name, used in spent(before, cpu_snapshot(pids)).items()}
 
 
-def streams(address: str, texts: list[str], tokens: int) -> tuple[list[list[int]], float]:
+def via_http(port: int, text: str, tokens: int) -> list[str]:
+    """One chat completion streamed through the gateway: the text of each token's event, in order
+    (the gateway sends no ids; the text stands for them in the repeats' comparison)."""
+    body = {
+        "messages": [{"role": "user", "content": text}], "max_tokens": tokens, "temperature": 0,
+        "stream": True, "ignore_eos": True, "speculation": {"drafter": "none"},
+    }  # fmt: skip
+    pieces = []
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    with httpx.Client(timeout=120.0) as http, http.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    pieces.append(choice.get("delta", {}).get("content") or "")
+    return ["".join(pieces)]
+
+
+def streams(address: str, texts: list[str], tokens: int, http: int = 0) -> tuple[list[list], float]:
     """One stream per text, all at once (a client each); their tokens and the wall time of all."""
     params, outputs = SamplingParams(max_tokens=tokens, ignore_eos=True), [[] for _ in texts]
 
     def work(index: int) -> None:
+        if http:
+            outputs[index] = via_http(http, texts[index], tokens)
+            return
         with Client(address, timeout=120.0) as client:
             outputs[index] = via_pipeline(client, texts[index], params, "none")["tokens"]
 
@@ -89,13 +114,13 @@ def streams(address: str, texts: list[str], tokens: int) -> tuple[list[list[int]
 
 
 def one_stream(
-    address: str, pids: dict[str, int], texts: list[str], tokens: int, idle: dict[str, float]
+    address: str, pids: dict[str, int], texts: list[str], tokens: int, idle: dict[str, float], http: int = 0
 ) -> dict:
     """Streams at once (one, or a client each); CPU ms per token of each process (gross, and net of its
     idle rate), and tok/s with the load it ran under."""
     before = cpu_snapshot(pids)
-    outputs, seconds = streams(address, texts, tokens)
-    used, count = spent(before, cpu_snapshot(pids)), sum(len(o) for o in outputs)
+    outputs, seconds = streams(address, texts, tokens, http)
+    used, count = spent(before, cpu_snapshot(pids)), tokens * len(texts) if http else sum(map(len, outputs))
     net = {k: max(0.0, v - idle.get(k, 0.0) * seconds) for k, v in used.items() if k != "others"}
     return {
         "tokens": count, "seconds": seconds, "tokens_per_second": count / seconds, "load": load_note(),
@@ -126,12 +151,14 @@ def main() -> int:
     parser.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
     parser.add_argument("--clients", type=int, default=1, help="concurrent streams (distinct prompts)")
     parser.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU measured first (0: none)")
+    parser.add_argument("--http", type=int, default=0, metavar="PORT", help="through the gateway on PORT")
     parser.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for the pipeline")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
     runs = []
     texts = [WORKLOADS[args.workload], *LOAD_PROMPTS][: args.clients]
-    with running_pipeline(args.set) as config, Client(config.addresses.client, timeout=60.0) as client:
+    settings = [*args.set, "gateway.enabled=true", f"gateway.port={args.http}"] if args.http else args.set
+    with running_pipeline(settings) as config, Client(config.addresses.client, timeout=60.0) as client:
         via_pipeline(client, "Hello.", SamplingParams(max_tokens=16, ignore_eos=True), "none")  # warm
         pids = lane_pids(client.status())
         pids["supervisor"] = parent_pid(pids["orchestrator"])
@@ -139,7 +166,7 @@ def main() -> int:
         idle = idle_rates(pids, args.idle_seconds)
         for _ in range(args.repeats):
             time.sleep(0.2)
-            runs.append(one_stream(config.addresses.client, pids, texts, args.tokens, idle))
+            runs.append(one_stream(config.addresses.client, pids, texts, args.tokens, idle, args.http))
     outputs = {tuple(map(tuple, r.pop("output"))) for r in runs}  # each repeat's, all clients'
 
     if args.json:

@@ -49,10 +49,14 @@ class Generation:
         owner.opened(self)
 
     async def items(self) -> AsyncIterator[Any]:
-        async for item in self.owner.client.chunks(self.request_id):
-            if isinstance(item, Result):
-                self.done = item
-            yield item
+        """Its chunks, then the final Result. The client reads all of the gateway's streams in one
+        long poll and hands over whatever arrived since the last item as one chunk, so a reader that
+        falls behind gets fewer, longer chunks, and nothing waits in a queue of its own."""
+        async for batch in self.owner.client.stream(self.request_id):
+            for item in batch:
+                if isinstance(item, Result):
+                    self.done = item
+                yield item
 
     async def close(self) -> None:
         if self.closed:
@@ -84,18 +88,16 @@ async def events(generation: Generation, fmt: Formatter, include_usage: bool) ->
     """The stream: the surface's opening, a chunk per pipeline chunk, its closing; a failure in the
     pipeline is the last event before the end."""
     try:
-        for data in fmt.stream_opening():
-            yield data
-        async for item in generation.items():
+        if opening := fmt.stream_opening():
+            yield b"".join(opening)
+        async for item in generation.items():  # each item's events in one write
             if not isinstance(item, Result):
-                for data in fmt.stream_text(item.text, item.logprobs, item.decided):
-                    yield data
+                if data := fmt.stream_text(item.text, item.logprobs, item.decided):
+                    yield b"".join(data)
             elif (error := failure(item)) is not None:
-                for data in fmt.stream_error(error):
-                    yield data
+                yield b"".join(fmt.stream_error(error))
             else:
-                for data in fmt.stream_closing(item, include_usage):
-                    yield data
+                yield b"".join(fmt.stream_closing(item, include_usage))
     except PipelineError as exc:  # the orchestrator went away mid-stream
         for data in fmt.stream_error(pipeline_error(exc.kind, exc.message)):
             yield data

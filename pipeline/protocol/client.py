@@ -4,7 +4,8 @@ seq N", so a client that lost its connection (or is a new process) resumes from 
 last chunk it saw and gets the rest exactly once.
 
 `Client` blocks; `AsyncClient` is the same protocol under trio (the HTTP gateway uses it):
-one socket, one Req0 context per call, so many requests share it concurrently. Both build
+one socket, one Req0 context per call, so many requests share it concurrently, and one long poll
+(`Watch`) for the chunks of all its streams at once (`AsyncClient.stream`, protocol/feed.py). Both build
 their messages and read their replies with the same functions below. A `tls+tcp://` pipeline
 answers only a client that shows a certificate its CA signed: pass the [tls] section as `tls`.
 
@@ -28,6 +29,7 @@ import trio
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.config import ESSENTIAL, Tls
+from pipeline.protocol.feed import Feed, continuation, merged
 from pipeline.protocol.messages import (
     Cancel,
     Chunk,
@@ -48,6 +50,8 @@ from pipeline.protocol.messages import (
     Text,
     Tokenize,
     Tokens,
+    Watch,
+    Watched,
     encode,
 )
 from pipeline.protocol.tls import socket_options
@@ -115,18 +119,6 @@ def submit_message(
         params=params or SamplingParams(), drafter=drafter, k=k, max_iterations=max_iterations,
         owner=owner, idempotency_key=uuid.uuid4().hex, tools=tools, tool_messages=tool_messages,
     )  # fmt: skip
-
-
-def continuation(reply: Chunks, after: int) -> tuple[list[Chunk], int, Result | None]:
-    """The chunks that follow `after` (repeats dropped), the new `after`, and the final object
-    once nothing before it is missing."""
-    fresh = []
-    for chunk in reply.chunks:
-        if chunk.seq == after + 1:
-            after = chunk.seq
-            fresh.append(chunk)
-    complete = reply.done is not None and (not reply.chunks or reply.chunks[-1].seq == after)
-    return fresh, after, reply.done if complete else None
 
 
 class Secrets(dict[str, str]):
@@ -319,6 +311,21 @@ class AsyncClient(Endpoint):
             if done is not None:
                 yield done
                 return
+
+    @functools.cached_property
+    def feed(self) -> Feed:
+        return Feed(self._watch, PipelineError)
+
+    async def _watch(self, watch: Watch, wait: float) -> Watched:
+        return await self.call(watch, retry=True, timeout=self.timeout + wait)
+
+    async def stream(self, request_id: str, after: int = -1) -> AsyncIterator[list[Chunk | Result]]:
+        """What `chunks` yields, in batches: whatever arrived since the last batch was taken, read
+        with every other stream of this client in one long poll (`Watch`). A batch holds one chunk
+        (`merged`: a reader slower than the tokens gets them coalesced), the final `Result`, or both."""
+        async for batch in self.feed.items(request_id, self.secrets.of(request_id, None), after):
+            chunks = [item for item in batch if isinstance(item, Chunk)]
+            yield [merged(chunks), *batch[len(chunks) :]] if chunks else batch
 
     async def cancel(self, request_id: str) -> None:
         await self.call(Cancel(request_id=request_id, secret=self.secrets.of(request_id, None)), retry=True)

@@ -8,8 +8,8 @@ Sockets and what they carry (the receiving side listens, senders dial):
 - orchestrator data inbox: Decided, StepFailed (from the verify lane), AuditAck
 Inside the verify lane, its driver and its verifier exchange Verify, Opened and Verified.
 - orchestrator control inbox: Fault, LaneUp, LaneDown, LaneFailed, Heartbeat, Shutdown
-- orchestrator client socket (req/rep): Submit, Poll, Cancel, StatusQuery, MetricsQuery, Tokenize,
-  Detokenize -> Submitted, Chunks, ErrorReply, StatusReport, MetricsReport, Tokens, Text
+- orchestrator client socket (req/rep): Submit, Poll, Watch, Cancel, StatusQuery, MetricsQuery, Tokenize,
+  Detokenize -> Submitted, Chunks, Watched, ErrorReply, StatusReport, MetricsReport, Tokens, Text
 
 Work messages carry (request_id, step) so a repeat is recognised and answered from a cache
 rather than executed twice, and a W3C trace context so spans parent across processes.
@@ -433,6 +433,25 @@ class Poll(Message, frozen=True, kw_only=True):
     wait: float = 1.0
 
 
+class Cursor(msgspec.Struct, frozen=True, array_like=True):
+    """One stream of a `Watch`: its request, the secret, and the last chunk seen (-1: none yet)."""
+
+    request_id: str
+    secret: str
+    after: int = -1
+
+
+class Watch(Message, frozen=True, kw_only=True):
+    """`Poll` for many streams at once (the gateway's): answered as soon as any of them has news, or
+    after `wait` seconds, with the news of all of them. `watcher` names the client; a newer Watch of
+    the same watcher answers the one still waiting at once, so a stream that joined is never held
+    up behind a wait that does not ask about it."""
+
+    watcher: str
+    cursors: list[Cursor]
+    wait: float = 1.0
+
+
 class Cancel(Message, frozen=True, kw_only=True):
     request_id: str
     secret: str = ""
@@ -465,6 +484,14 @@ class Chunks(Message, frozen=True, kw_only=True):
 class ErrorReply(Message, frozen=True, kw_only=True):
     kind: str
     message: str
+
+
+class Watched(Message, frozen=True, kw_only=True):
+    """A `Watch`'s answer: `Chunks` for each stream with news (chunks after its cursor, or its end),
+    and the ids of those that are unknown or not the caller's (`unknown_request`)."""
+
+    streams: list[Chunks]
+    unknown: list[str] = []
 
 
 class LaneStatus(msgspec.Struct, kw_only=True):
@@ -530,8 +557,8 @@ AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSna
 AuditLaneInbox = AuditInbox | AuditBatch  # what the audit lane's socket takes (AuditInbox: what it stores)
 DataInbox = Decided | StepFailed | Reported | AuditAck
 ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
-ClientRequest = Submit | Poll | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize
-ClientReply = Submitted | Chunks | ErrorReply | StatusReport | MetricsReport | Tokens | Text
+ClientRequest = Submit | Poll | Watch | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize
+ClientReply = Submitted | Chunks | Watched | ErrorReply | StatusReport | MetricsReport | Tokens | Text
 
 T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
