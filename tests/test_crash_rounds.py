@@ -39,6 +39,7 @@ PROMPTS = [
 ]
 PARAMS = SamplingParams(max_tokens=120, ignore_eos=True)
 CLIENTS = 8
+JSON_HEADERS = {"Content-Type": "application/json"}
 KILLS = 3
 
 
@@ -208,3 +209,52 @@ def test_a_dead_gateway_ends_its_streams_with_an_error_and_frees_their_requests(
             f"\ngateway kill {round_ + 1}: its {CLIENTS} requests freed {freed_after:.2f} s after; {outcomes}"
         )
         assert len(outcomes) == CLIENTS and "done" not in outcomes.values(), outcomes
+
+
+def test_gateway_streams_repeat_and_lose_nothing_when_the_orchestrator_dies(pipeline, references):
+    """SSE streams through the gateway (its one long poll for all of them, `Watch`) while the
+    orchestrator is SIGKILLed: the watch is retried across the restart, and every stream's text is
+    the undisturbed run's, each token once."""
+    pipeline.wait_lane_up("gateway", None, timeout=60)
+    pipeline.wait_lane_up("orchestrator", None, timeout=60)
+    streams = 4
+    texts: dict[int, str] = {}
+    errors: list[BaseException] = []
+    events = [0]
+
+    def stream(i: int) -> None:
+        body = {
+            "model": pipeline.config.model_id(), "messages": [{"role": "user", "content": PROMPTS[i]}],
+            "max_tokens": PARAMS.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+        }  # fmt: skip
+        connection = http.client.HTTPConnection("127.0.0.1", pipeline.config.gateway.port, timeout=120)
+        try:
+            connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(), JSON_HEADERS)
+            response, pieces = connection.getresponse(), []
+            assert response.status == 200
+            while line := response.readline():
+                if line.startswith(b"data: {"):
+                    payload = json.loads(line[6:])
+                    assert "error" not in payload, payload
+                    pieces += [choice["delta"].get("content") or "" for choice in payload["choices"]]
+                    events[0] += 1
+            texts[i] = "".join(pieces)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    while events[0] < 4 * streams and any(t.is_alive() for t in threads):
+        time.sleep(0.01)
+    orchestrator = pipeline.lane("orchestrator").pid
+    assert orchestrator is not None and all(t.is_alive() for t in threads), "the streams ended first"
+    os.kill(orchestrator, signal.SIGKILL)
+    for thread in threads:
+        thread.join(240)
+    assert not errors, errors
+    want = {i: references[PROMPTS[i]].text for i in range(streams)}
+    assert {i: texts.get(i) for i in range(streams)} == want
+    pipeline.wait_lane_up("orchestrator", orchestrator, timeout=60)
