@@ -109,7 +109,7 @@ def test_http_summary_speedups_goal_and_table():
                                                                    ("code", http_run("wxyz", 0))]}],
         "llama-server plain": [{"tokens_per_second": 200.0, "outputs": [("chat", http_run("abXX", 0))]}],
     }  # fmt: skip
-    summary = http_peers.summarise(single, phases, refs, max_tokens=4)
+    summary = http_peers.summarise(single, phases, refs, max_tokens=4, eos_chars={"chat": 2, "code": None})
     gateway, server = summary["gateway none"], summary["llama-server plain"]
     assert gateway["workloads"]["chat"]["tokens_per_second"] == 160.0 and gateway["clients"]["requests"] == 2
     assert gateway["workloads"]["chat"]["equal"] and gateway["clients"]["equal"]
@@ -120,12 +120,29 @@ def test_http_summary_speedups_goal_and_table():
     assert ratios == {"chat": 1.6, "code": 0.9, "clients": 1.5}
     table = "\n".join(http_peers.render(summary, clients=8))
     assert "| gateway | none | 160.0 | 90.0 | 0.10 / 0.10 | 300.0 | yes |" in table
-    assert "| llama-server | plain | 100.0 | 100.0 | 0.10 / 0.10 | 200.0 | no |" in table
+    # llama-server bans EOS: "to EOS" where its text agrees up to the reference's first end of sequence
+    assert server["workloads"]["chat"]["first_difference"] == 2 and server["workloads"]["chat"]["to_eos"]
+    assert (
+        "| llama-server | plain | 100.0 | 100.0 | 0.10 / 0.10 | 200.0 | chat to EOS (from char 2), code yes |"
+        in table
+    )
     assert "gateway none / llama-server: chat 1.60x, code 0.90x, clients 1.50x" in table
     assert "single stream: NOT met." in table
     # a short output is not equal even with the same text so far
     short = http_peers.summarise({"chat": {"gateway none": [http_run("abcd", 1.0, count=3)]}}, {}, refs, 4)
     assert not http_peers.gateway_equal(short)
+
+
+def test_first_difference_and_agreement():
+    assert http_peers.first_difference("abc", "abc") is None
+    assert http_peers.first_difference("abX", "abc") == 2
+    assert http_peers.first_difference("ab", "abc") == 2
+    assert http_peers.agreement(["abc", "aXc"], "abc", eos_char=None) == {
+        "first_difference": 1,
+        "to_eos": False,
+    }
+    assert http_peers.agreement(["abX"], "abc", eos_char=2) == {"first_difference": 2, "to_eos": True}
+    assert http_peers.agreement(["abc"], "abc", eos_char=None) == {"first_difference": None, "to_eos": True}
 
 
 def test_peers_rows_with_the_gateway_and_llama_server():

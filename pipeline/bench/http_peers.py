@@ -12,7 +12,9 @@ the c-th), against one server: each gateway drafter on a pipeline of its own, st
 so `auto`'s cross-request cache has seen none of these prompts before the phase; llama-server is the
 one the run started (`--parallel` N slots). Every gateway output must equal in-process `--drafter
 none`'s text and length; llama-server's may differ on near-ties (other numerics), and its table says
-where.
+where. It also differs from the reference's first end of sequence on: its `ignore_eos` bans EOS,
+where speclanes (and every other row) takes the argmax even when it is EOS and goes on; the table
+says "to EOS" where the text is the same up to there.
 """
 
 from __future__ import annotations
@@ -88,15 +90,35 @@ def same(result: dict, reference: str, max_tokens: int) -> bool:
     return result["text"] == reference and result["count"] == max_tokens
 
 
+def first_difference(text: str, reference: str) -> int | None:
+    """The first character where `text` and `reference` differ (None if equal)."""
+    index = next((i for i, (a, b) in enumerate(zip(text, reference, strict=False)) if a != b), None)
+    if index is None and len(text) != len(reference):
+        index = min(len(text), len(reference))
+    return index
+
+
+def agreement(texts: list[str], reference: str, eos_char: int | None) -> dict[str, Any]:
+    """How far texts agree with the reference: the earliest first difference, and whether they agree
+    up to the reference's first end of sequence (`eos_char`, the length of its text before it)."""
+    diffs = [d for text in texts if (d := first_difference(text, reference)) is not None]
+    first = min(diffs) if diffs else None
+    to_eos = first is None or (eos_char is not None and first >= eos_char)
+    return {"first_difference": first, "to_eos": to_eos}
+
+
 def summarise(
     single: dict[str, dict[str, list[dict]]],
     phases: dict[str, list[dict]],
     references: dict[str, str],
     max_tokens: int,
+    eos_chars: dict[str, int | None] | None = None,
 ) -> dict[str, dict]:
     """Per HTTP row ("gateway none", "llama-server plain"): per workload the median client-side
-    tok/s and first-token time and whether every output equals the reference text; under load the
-    median aggregate tok/s and the same check over every output."""
+    tok/s and first-token time, whether every output equals the reference text, and where the first
+    difference is (`agreement`); under load the median aggregate tok/s and the same check over every
+    output."""
+    eos_chars = eos_chars or {}
     names = [name for by_row in single.values() for name in by_row]
     out: dict[str, dict] = {}
     for name in dict.fromkeys(names):
@@ -109,6 +131,7 @@ def summarise(
                 "first_token_seconds": statistics.median(r["first_token_seconds"] for r in runs),
                 "tokens_per_second_runs": [r["tokens_per_second"] for r in runs],
                 "equal": all(same(r, references[workload], max_tokens) for r in runs),
+                **agreement([r["text"] for r in runs], references[workload], eos_chars.get(workload)),
             }
         row: dict[str, Any] = {"system": system, "mode": mode, "workloads": workloads, "clients": None}
         if phases.get(name):
@@ -154,8 +177,19 @@ def gateway_equal(summary: dict[str, dict]) -> bool:
 # --- report ---------------------------------------------------------------------------
 
 
-def yes_no(equal: bool) -> str:
-    return "yes" if equal else "no"
+def agreement_text(row: dict) -> str:
+    """The `= reference` cell: "yes" where every output equals it, else per workload "yes", "to EOS"
+    or "no", with the first differing character."""
+    ws = row["workloads"]
+    if all(w["equal"] for w in ws.values()) and (row["clients"] is None or row["clients"]["equal"]):
+        return "yes"
+    parts = []
+    for name, w in ws.items():
+        if w["equal"]:
+            parts.append(f"{name} yes")
+        else:
+            parts.append(f"{name} {'to EOS' if w['to_eos'] else 'no'} (from char {w['first_difference']})")
+    return ", ".join(parts)
 
 
 def render(summary: dict[str, dict], clients: int) -> list[str]:
@@ -177,13 +211,13 @@ def render(summary: dict[str, dict], clients: int) -> list[str]:
         first = " / ".join(f"{w['first_token_seconds']:.2f}" for w in ws)
         load = row["clients"]
         load_rate = f"{load['tokens_per_second']:.1f}" if load else "-"
-        equal = all(w["equal"] for w in ws) and (load is None or load["equal"])
         lines.append(
-            f"| {row['system']} | {row['mode']} | {rates} | {first} | {load_rate} | {yes_no(equal)} |"
+            f"| {row['system']} | {row['mode']} | {rates} | {first} | {load_rate} | {agreement_text(row)} |"
         )
     lines.append(
         "(= reference: every output's text and length equal in-process `--drafter none`'s for that prompt; "
-        "the gateway must, llama-server's numerics may differ on near-ties.)"
+        "the gateway must, llama-server's numerics may differ on near-ties; to EOS: the same text up to the "
+        "reference's first end of sequence, which llama-server's ignore_eos bans and the others take.)"
     )
     return lines + render_goal(speedups(summary))
 

@@ -723,9 +723,10 @@ def results_of(
     direct, http = [v for v in alive if not v.http], [v for v in alive if v.http]
     summary = summarise({w: {v.name: by[v.name] for v in direct} for w, by in runs.items()}, direct)
     references = {w: by[REFERENCE.name][0]["text"] for w, by in runs.items()}
+    eos_chars = {w: eos_char(model, by[REFERENCE.name][0]["tokens"]) for w, by in runs.items()}
     single = {w: {v.name: by[v.name] for v in http} for w, by in runs.items()}
     http_summary = http_peers.summarise(
-        single, {v.name: phases[v.name] for v in http}, references, args.max_tokens
+        single, {v.name: phases[v.name] for v in http}, references, args.max_tokens, eos_chars
     )
     return {
         "meta": {"cpu": f"{cpu_name()}, {os.cpu_count()} cores", "cpu_flags": kernel_flags(),
@@ -735,6 +736,13 @@ def results_of(
         "summary": summary, "goal": goal(summary), "http": http_summary,
         "http_speedups": http_peers.speedups(http_summary),
     }  # fmt: skip
+
+
+def eos_char(model: Model, tokens: list[int]) -> int | None:
+    """The length of the text before the first end-of-sequence token (None where there is none)."""
+    assert model.tokenizer is not None
+    eos = model.tokenizer.eos_id
+    return len(model.tokenizer.decode(tokens[: tokens.index(eos)])) if eos in tokens else None
 
 
 def summary_rows(summary: dict, *systems: str) -> list[dict]:
