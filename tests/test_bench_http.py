@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -155,8 +156,10 @@ def test_peers_rows_with_the_gateway_and_llama_server():
     assert [v.name for v in no_pipeline] == ["speclanes none"]
 
 
-def fake_server(tmp_path: Path, body: str) -> Path:
-    """A stand-in for llama-server: a Python script with the given body after its imports."""
+def fake_server(tmp_path: Path, body: str, monkeypatch) -> Path:
+    """A stand-in for llama-server: a Python script with the given body after its imports; its log
+    (kept where it dies) goes to `tmp_path`."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     script = tmp_path / "llama-server"
     script.write_text(f"#!{sys.executable}\nimport http.server, os, signal, sys\n{body}\n")
     script.chmod(0o755)
@@ -172,7 +175,9 @@ def test_llama_server_missing_is_reported_as_missing(monkeypatch, tmp_path):
 
 
 def test_llama_server_that_dies_at_start_is_reported_as_crashed(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECLANES_LLAMA_SERVER", str(fake_server(tmp_path, "print('boom'); sys.exit(3)")))
+    monkeypatch.setenv(
+        "SPECLANES_LLAMA_SERVER", str(fake_server(tmp_path, "print('boom'); sys.exit(3)", monkeypatch))
+    )
     skipped: dict[str, str] = {}
     assert pb.start_server(["llama_server"], Path("m.gguf"), 2, 8, 512, skipped) is None
     assert "failed to start: llama-server exited with code 3" in skipped["llama-server"]
@@ -192,7 +197,7 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
 def test_llama_server_that_crashes_mid_run_loses_its_row(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECLANES_LLAMA_SERVER", str(fake_server(tmp_path, SEGFAULTS_ON_POST)))
+    monkeypatch.setenv("SPECLANES_LLAMA_SERVER", str(fake_server(tmp_path, SEGFAULTS_ON_POST, monkeypatch)))
     server = pb.start_server(["llama_server"], Path("m.gguf"), 2, 8, 512, {})
     assert server is not None
     runner = pb.Runner(None, {}, server, 8)  # type: ignore[arg-type]
