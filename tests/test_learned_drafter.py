@@ -211,9 +211,10 @@ def test_a_path_that_is_not_a_head_gets_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers(monkeypatch):
     """The head in the repository (`pipeline/model/heads/`), as `learned` finds it for the default
-    model: small, made by `speclanes drafter train` (its record says how), and drafting the model's
-    own greedy continuations of held-out chat prompts at depth 1 a third of the time at least (its
-    held-out rate is about 0.5; an untrained head's is about 0)."""
+    model: small, made by the stages of `speclanes drafter train` (its record says how, and the
+    product command that runs them), and drafting the model's own greedy continuations of held-out
+    chat prompts at depth 1 half of the time at least (its held-out rate is about 0.62; an untrained
+    head's is about 0)."""
     from pipeline.model import default_model_path
     from pipeline.model.draft_head import SHIPPED
 
@@ -221,7 +222,8 @@ def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers
     shipped = SHIPPED / head_name(path)
     assert shipped.is_file() and shipped.stat().st_size <= 16 * 2**20
     _, meta = read_head(shipped)
-    assert meta["command"].startswith("speclanes drafter train") and meta["held_out_acceptance"]["chains"] > 0
+    assert meta["command"] and meta["equivalent_command"].startswith("speclanes drafter train")
+    assert meta["held_out_acceptance"]["chains"] > 0
     model = load_model(path, "native")
     head = load_head(shipped, model.cfg, model.embed, path)
     monkeypatch.setattr(learned, "MIN_PATH", 0.0)  # its first choice, however unsure
@@ -238,7 +240,7 @@ def test_the_shipped_head_loads_for_the_default_model_and_drafts_what_it_answers
             drafter.observe(s - 1, features[s - 1 : s])
             hits += drafter.propose(tokens[: s + 1], 1).tokens[:1] == [tokens[s + 1]]
             positions += 1
-    assert hits >= positions / 3, (hits, positions)
+    assert hits >= positions / 2, (hits, positions)
 
 
 @pytest.mark.parametrize("all_logits", [True, False])

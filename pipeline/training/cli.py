@@ -33,17 +33,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--held-out", type=int, default=256, help="held-out prompts answered (default 256)")
     train.add_argument("--max-new", type=int, default=160, help="tokens per answer at most (default 160)")
     train.add_argument("--batch", type=int, default=24, help="answers decoded together (default 24)")
+    train.add_argument("--samples", type=int, default=1,
+                       help="answers per training prompt: the first greedy, the rest sampled "
+                            "(default 1: every third prompt sampled)")  # fmt: skip
+    train.add_argument("--data-backend", choices=("runtime", "torch"), default="runtime",
+                       help="who answers: the served runtime (default), or the torch target, in batches of "
+                            "--batch on a GPU where one is present")  # fmt: skip
     defaults = TrainSettings()
     train.add_argument("--epochs", type=int, default=defaults.epochs, help=f"(default {defaults.epochs})")
     train.add_argument("--vocab", type=int, default=defaults.vocab_size,
                        help=f"draft vocabulary size (default {defaults.vocab_size})")  # fmt: skip
     train.add_argument("--d-ff", type=int, default=defaults.d_ff, help="the head's feed-forward width")
     train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate ({defaults.lr})")
+    train.add_argument("--batch-rows", type=int, default=defaults.batch_rows,
+                       help=f"positions per optimizer step (default {defaults.batch_rows})")  # fmt: skip
     train.add_argument("--seed", type=int, default=0, help="the prompts' order, sampling and initial weights")
 
 
 def say(text: str) -> None:
     print(f"drafter train: {text}", file=sys.stderr, flush=True)
+
+
+def data_answerers(args: argparse.Namespace, model_path: Path, eos: int | None) -> tuple[dict, dict]:
+    """`distill`'s extra arguments for the training and the held-out data: none for the served
+    runtime; with the torch target, its answerer and shards of one batch each."""
+    if args.data_backend == "runtime":
+        return {}, {}
+    import torch
+
+    from pipeline.model.store import load_prepared
+    from pipeline.training.torch_target import TorchTarget, torch_answerer
+
+    cfg, weights, _ = load_prepared(model_path)
+    target = TorchTarget(cfg, weights, "cuda" if torch.cuda.is_available() else "cpu")
+    say(f"data: answered by the torch target on {target.device}")
+    common = {"max_new": args.max_new, "batch": args.batch, "eos": eos, "report": say}
+    shard = max(1, args.batch // args.samples)
+    return (
+        {"answerer": torch_answerer(target, seed=args.seed, samples=args.samples, **common), "shard": shard},
+        {"answerer": torch_answerer(target, seed=args.seed + 1, samples=1, **common), "shard": args.batch},
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -71,15 +100,17 @@ def main(args: argparse.Namespace) -> int:
     assert model.tokenizer is not None
     say(f"target {model_path.name}: {model.describe()}")
     train_prompts, test_prompts = prompts("train", args.seed)[: args.prompts], prompts("test", args.seed)
+    answerers = data_answerers(args, model_path, model.tokenizer.eos_id)
     data = distill(model, train_prompts, work / "train", max_new=args.max_new, batch=args.batch,
-                   seed=args.seed, report=say)  # fmt: skip
+                   seed=args.seed, samples=args.samples, report=say, **answerers[0])  # fmt: skip
     distill(model, test_prompts[: args.held_out], work / "held-out", max_new=args.max_new, batch=args.batch,
-            seed=args.seed + 1, report=say)  # fmt: skip
+            seed=args.seed + 1, report=say, **answerers[1])  # fmt: skip
     data_seconds = time.perf_counter() - start
     sequences, held_out = load_shards(work / "train"), load_shards(work / "held-out")
     settings = TrainSettings(
-        epochs=args.epochs, vocab_size=args.vocab, d_ff=args.d_ff, lr=args.lr, seed=args.seed
-    )
+        epochs=args.epochs, vocab_size=args.vocab, d_ff=args.d_ff, lr=args.lr, seed=args.seed,
+        batch_rows=args.batch_rows,
+    )  # fmt: skip
     cfg, embed = model.cfg, model.embed
 
     def rows(ids):
@@ -96,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
         "data_seconds": round(data_seconds, 1), "made": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
     save_head(out, {**head.arrays(), "vocab": vocab}, meta)
-    greedy = [s for i, s in enumerate(held_out) if not sampled(i)]  # load_shards keeps the prompts' order
+    greedy = [s for i, s in enumerate(held_out) if not sampled(i)]  # load_shards keeps the answers' order
     meta["held_out_acceptance"] = acceptance_by_depth(load_head(out, cfg, embed, model_path), greedy)
     meta["total_seconds"] = round(time.perf_counter() - start, 1)
     save_head(out, {**head.arrays(), "vocab": vocab}, meta)

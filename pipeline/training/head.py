@@ -3,6 +3,10 @@
 fc over [embedding of the next token; the target's feature], one pre-norm llama decoder layer
 (rotate-half RoPE, grouped-query attention, SwiGLU), and a final RMS norm giving the predicted
 feature. Logits are the prediction times the target's frozen output rows for the draft vocabulary.
+
+A head may read more of the target than its final norm's output (EAGLE-3): the residual stream
+after some earlier layers too, side by side. `fuse` projects such a wide true feature to the model
+width; a drafted row reads the previous row's prediction directly, as the plain head does.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class TorchHead(nn.Module):
-    def __init__(self, cfg: ModelConfig, d_ff: int) -> None:
+    def __init__(self, cfg: ModelConfig, d_ff: int, feature_width: int | None = None) -> None:
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
         self.cfg, self.d_ff = cfg, d_ff
+        self.feature_width = feature_width or d
+        if self.feature_width != d:  # starts as the plain head: the final-norm slice passes through
+            taps = self.feature_width - d
+            self.fuse = nn.Parameter(torch.cat([0.02 * torch.randn(d, taps) / 4, torch.eye(d)], dim=1))
         self.fc = nn.Parameter(torch.cat([0.02 * torch.randn(d, d), torch.eye(d)], dim=1))
         self.wq = nn.Parameter(0.02 * torch.randn(cfg.n_heads * hd, d))
         self.wk = nn.Parameter(0.02 * torch.randn(cfg.n_kv_heads * hd, d))
@@ -48,8 +56,12 @@ class TorchHead(nn.Module):
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's true features (..., feature_width) at the model width, as a row reads them."""
+        return features if self.feature_width == self.cfg.d_model else features @ self.fuse.T
+
     def forward(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """(B, T, d) next-token embeddings and features -> (B, T, d) predicted next features."""
+        """(B, T, d) next-token embeddings and fused features -> (B, T, d) predicted next features."""
         return self.run(embedded, features)[0]
 
     def run(
