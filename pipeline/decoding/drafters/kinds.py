@@ -50,9 +50,9 @@ KINDS: dict[str, DrafterKind] = {
         DrafterKind("suffix"),
         DrafterKind("learned", needs_features=True, needs_head=True, paid_per_draft=True),
         DrafterKind("model", samples=True, needs_draft_model=True, paid_per_draft=True),
-        # Not `learned`, yet: measured inside auto's merged trees it made chat slower (0.86-0.89x of
-        # plain against 0.96x without it, docs/learned_drafter.md): the controller prices the rows
-        # a tree adds, not the head steps behind them.
+        # Not `learned`, yet: with the GPU-trained head, asked in auto's merged trees only where the
+        # n-gram and suffix candidates weighed under 0.5, it still made chat slower (0.90x of plain
+        # against 1.05x without it) and quote and code 4-6% slower (docs/learned_drafter.md).
         DrafterKind("auto", members=("ngram", "suffix", "model")),
     )
 }
