@@ -43,7 +43,7 @@ def test_greedy_answers_and_features_are_the_model_s_whatever_the_padding(tiny):
         assert prompt_length == len(prompt) and tokens[:prompt_length].tolist() == prompt
         cache, fed, plain = model.new_cache(64), list(prompt), []
         while len(plain) < len(tokens) - prompt_length:
-            logits, found = model.forward_features([(cache, fed)], all_logits=False)
+            logits, _ = model.forward_features([(cache, fed)], all_logits=False)
             plain.append(int(np.argmax(logits[0][-1])))
             fed = plain[-1:]
         assert tokens[prompt_length:].tolist() == plain
