@@ -304,7 +304,9 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
         Watched,
         streams=st.lists(
             st.builds(
-                Chunks, request_id=ids, chunks=st.lists(st.builds(Chunk, seq=small, text=text), max_size=2)
+                Chunks,
+                request_id=ids,
+                chunks=st.lists(st.builds(Chunk, seq=small, text=text, tokens=tokens), max_size=2),
             ),
             max_size=3,
         ),

@@ -91,6 +91,9 @@ def main(args: argparse.Namespace) -> int:
     from pipeline.training.prompts import prompts
     from pipeline.training.train import train
 
+    if args.samples < 1:
+        say(f"--samples must be at least 1, not {args.samples}")
+        return 2
     model_path = model_path(args.model)
     out = Path(args.out) if args.out else trained_heads_directory() / head_name(model_path)
     work = Path(args.work) if args.work else out.with_name(out.name.removesuffix(".npz") + ".work")

@@ -117,13 +117,13 @@ class TorchTarget:
     def answer(
         self,
         prompts: Sequence[list[int]],
-        sampled: Sequence[bool],
+        drawn: Sequence[bool],
         *,
         max_new: int,
         eos: int | None,
         seed: int,
     ) -> list[Triple]:
-        """Each prompt answered (greedily, or at TEMPERATURE where `sampled`), all together:
+        """Each prompt answered (greedily, or at TEMPERATURE where `drawn`), all together:
         (tokens, prompt length, float16 features for every token but the newest), as `distill`."""
         cfg, dev = self.cfg, self.device
         b, longest = len(prompts), max(len(p) for p in prompts)
@@ -137,7 +137,7 @@ class TorchTarget:
         shape = (cfg.n_layers, b, cfg.n_kv_heads, slots, cfg.head_dim)
         cache = torch.zeros(shape, device=dev), torch.zeros(shape, device=dev)
         gen = torch.Generator(device=dev).manual_seed(seed)
-        hot = torch.tensor(list(sampled), device=dev)
+        hot = torch.tensor(list(drawn), device=dev)
         logits, feats = self.forward(ids, positions, cache, 0, valid)
         steps, chunks = [], [feats]
         done = torch.zeros(b, dtype=torch.bool, device=dev)
