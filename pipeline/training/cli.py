@@ -75,6 +75,14 @@ def data_answerers(args: argparse.Namespace, model_path: Path, eos: int | None) 
     )
 
 
+def output_paths(args: argparse.Namespace, name: str, heads: Path) -> tuple[Path, Path]:
+    """The head file (`--out`, else `name` in the heads directory, made) and the work directory
+    (`--work`, else beside the head)."""
+    out = Path(args.out) if args.out else heads / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out, Path(args.work) if args.work else out.with_name(out.name.removesuffix(".npz") + ".work")
+
+
 def main(args: argparse.Namespace) -> int:
     from pipeline.model import load_model
     from pipeline.model.default import model_path
@@ -95,9 +103,7 @@ def main(args: argparse.Namespace) -> int:
         say(f"--samples must be at least 1, not {args.samples}")
         return 2
     model_path = model_path(args.model)
-    out = Path(args.out) if args.out else trained_heads_directory() / head_name(model_path)
-    work = Path(args.work) if args.work else out.with_name(out.name.removesuffix(".npz") + ".work")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out, work = output_paths(args, head_name(model_path), trained_heads_directory())
     start = time.perf_counter()
     model = load_model(model_path)
     assert model.tokenizer is not None
