@@ -276,13 +276,20 @@ class OrchestratorLane:
         self.dispatch(sends)
         return reply
 
+    def poll_wait(self, kind: str, wait: float) -> float | ErrorReply:
+        """A long poll's wait, bounded to [0, timeouts.poll_wait_max]. NaN is a bad request: trio
+        refuses a NaN timeout, which was an "internal" error (test_hostile)."""
+        if math.isnan(wait):
+            return ErrorReply(kind="bad_request", message=f"{kind}.wait must be a number of seconds, got NaN")
+        return min(max(wait, 0.0), self.config.timeouts.poll_wait_max)
+
     async def poll(self, msg: Poll) -> Message:
         front, request_id = self.hub.front, msg.request_id
         if front.owned(request_id, msg.secret) is None:
             return unknown(request_id)
-        if math.isnan(msg.wait):  # trio refuses a NaN timeout: it was an "internal" error (test_hostile)
-            return ErrorReply(kind="bad_request", message="Poll.wait must be a number of seconds, got NaN")
-        wait = min(max(msg.wait, 0.0), self.config.timeouts.poll_wait_max)
+        wait = self.poll_wait("Poll", msg.wait)
+        if isinstance(wait, ErrorReply):
+            return wait
         front.poll_begins(request_id)
         try:
             with trio.move_on_after(wait):
@@ -295,8 +302,9 @@ class OrchestratorLane:
         """Every stream of a watcher (the gateway) in one long poll: the reply carries the news of all
         that have some, so N streams cost one round trip per burst of steps, not N."""
         front = self.hub.front
-        if math.isnan(msg.wait):
-            return ErrorReply(kind="bad_request", message="Watch.wait must be a number of seconds, got NaN")
+        wait = self.poll_wait("Watch", msg.wait)
+        if isinstance(wait, ErrorReply):
+            return wait
         cursors = [c for c in msg.cursors if front.owned(c.request_id, c.secret) is not None]
         ids = [c.request_id for c in cursors]
         token = self.wakeups.supersede(msg.watcher)
@@ -304,7 +312,7 @@ class OrchestratorLane:
             for request_id in ids:
                 front.poll_begins(request_id)
             try:
-                with trio.move_on_after(min(max(msg.wait, 0.0), self.config.timeouts.poll_wait_max)):
+                with trio.move_on_after(wait):
                     ready = functools.partial(any_news, front, cursors)
                     await self.wakeups.until(ids, ready, msg.watcher, token)
             finally:
