@@ -57,8 +57,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    say(f"device {device}: {name}, torch {torch.__version__}")
+    machine = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    say(f"device {device}: {machine}, torch {torch.__version__}")
     model = Path("/tmp/target.gguf")
     with model.open("wb") as whole:
         for part in args.model:
@@ -90,7 +90,7 @@ def main() -> int:
     width = cfg.d_model
     record = {"answers": len(data), "held_out": len(held), "max_new": args.max_new, "samples": args.samples,
               "rows": int(sum(len(t) - 2 for t, _, _ in data)), "data_seconds": round(data_seconds, 1),
-              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}  # fmt: skip
+              "device": machine}  # fmt: skip
     say(f"data: {record}")
     (out / "data.json").write_text(json.dumps(record, indent=1))
     index = {t: i for i, t in enumerate(taps)}
