@@ -212,3 +212,13 @@ def test_on_a_convex_curve_the_floor_is_where_one_node_starts_to_pay():
     assert c.cut([-1], [floor * 0.99]) == []
     assert c.cut([-1], [floor * 1.01]) == [0]
     assert controller(CONVEX, fixed=4).floor("") == 0.0  # a fixed k takes every proposal
+
+
+def test_no_room_beside_the_neighbours_means_no_draft_is_asked_for():
+    """A crowded forward (steep past one row here) has no room for a request's drafts: the
+    controller says so before the drafter is asked, where alone it may ask for all it can use."""
+    c = controller([0.010, 0.0101, *[0.010 + 0.004 * r for r in range(2, 33)]])  # 2 rows flat, then 40% a row
+    assert c.room(0, 16) == 16
+    assert c.room(1, 16) == 0  # 2 rows are plain already; a third costs 40%
+    assert controller(FLAT).room(3, 16) == 4  # 4 requests' rows, and 4 more within the flat part
+    assert Controller(fixed=5).room(7, 5) == 5  # a k the user fixed is theirs

@@ -557,6 +557,27 @@ def test_repriming_needs_no_draw_count_the_numbers_are_keyed_by_position(model):
     assert client.run(len(expected)) == expected
 
 
+def test_a_request_in_a_crowded_forward_decodes_plainly_without_asking_the_draft_lane(model):
+    """Beside seven neighbours a forward has no room for drafts (each row past one costs 40% here),
+    so the step goes straight to the verifier: a draft lane round trip whose proposal the cut would
+    drop cost `auto` a fifth of its throughput under 8 clients. Alone, the same request asks."""
+    crowded_curve = [0.010, *[0.010 + 0.004 * r for r in range(1, 33)]]
+    opening = Client(Verifier(model, FakeLane()), "r", PROMPTS["repetitive"], GREEDY).open_message()
+    pending = {}
+    for neighbours in (0, 7):
+        prompt = PROMPTS["repetitive"]
+        session = Session(model.tokenizer, model.cfg.context_length, prompt, GREEDY, Speculation())
+        driver = Driver(opening, session, FakeLane(), DraftLane(), 1.0, 10**9)
+        driver.neighbours = neighbours
+        (first,) = driver.begin(0.0)
+        opened = one(Verifier(model, FakeLane()).handle([first.message]))
+        out = driver.on_reply(msgspec.structs.replace(opened, row_seconds=crowded_curve), 0.0)
+        assert [o.lane for o in out if o.lane == "draft"] == (["draft"] if neighbours == 0 else [])
+        pending[neighbours] = driver.pending
+    assert isinstance(pending[0], DraftRequest) and pending[0].k > 0
+    assert isinstance(pending[7], Verify) and pending[7].drafts == []
+
+
 # --- draft lane -----------------------------------------------------------------------
 
 

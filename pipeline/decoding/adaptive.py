@@ -214,10 +214,7 @@ class Controller:
             return []
         if self.fixed is not None:
             return list(range(min(self.fixed, n)))
-        cap = n
-        if neighbours > 0:
-            base = neighbours + 1
-            cap = min(n, self.costs.row_budget(base, base + n) - base)
+        cap = self.room(neighbours, n)
         probs = node_probabilities(parents, shares, self.depths(drafter))
         ranked = sorted(range(n), key=lambda i: (-probs[i], i))  # a parent before its children
         best = self._best_count([probs[i] for i in ranked[:cap]])
@@ -226,6 +223,15 @@ class Controller:
         else:
             self._plain_steps = 0
         return sorted(ranked[:best])
+
+    def room(self, neighbours: int, n: int) -> int:
+        """How many of n nodes a request may verify beside `neighbours` other requests' rows in the
+        same forward: all n alone, else as many as keep that forward within `NEIGHBOUR_SLOWDOWN`
+        of its plain cost. 0 means a draft would be cut to nothing, so none should be asked for."""
+        if neighbours <= 0 or self.fixed is not None:
+            return n
+        base = neighbours + 1
+        return max(0, min(n, self.costs.row_budget(base, base + n) - base))
 
     def _best_count(self, probs: Sequence[float], per_node: float = 0.0) -> int:
         """How many of the nodes `probs` (best first) maximise expected tokens per unit of time:

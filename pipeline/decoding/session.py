@@ -119,8 +119,11 @@ class Session:
         self.logprobs.extend(logprobs[:1])
         return self.out.push(first)
 
-    def plan(self) -> int | None:
-        """How many draft nodes to ask the drafter for, or None once the request is over."""
+    def plan(self, neighbours: int = 0) -> int | None:
+        """How many draft nodes to ask the drafter for, or None once the request is over. With
+        `neighbours` (other requests sharing the verify forward) it is no more than their forward has
+        room for: where that is none, the step goes plain without a trip to the drafter, whose
+        proposal the cut would drop."""
         if self.out.done:
             return None
         if self.max_iterations is not None and self.stats.steps >= self.max_iterations:
@@ -131,6 +134,7 @@ class Session:
             self._ending = "length"
             return None
         budget = self.controller.budget(self.drafter)
+        budget = self.controller.room(neighbours, budget) if budget else 0
         return max(0, min(budget, room, self.params.max_tokens - len(self.out.tokens) - 1))
 
     def floor(self) -> float:

@@ -203,7 +203,7 @@ class Driver:
 
     def _next(self, now: float, decided: tuple[StepRecord, StepEvent] | None) -> list[Out]:
         """After a decided step (or a re-prime): tell the orchestrator, then plan the next step, or end."""
-        want = self.session.plan()
+        want = self.session.plan(self.neighbours)
         self.planned = None if want is None else Planned(want)
         out: list[Out] = []
         if decided is not None or want is None:
