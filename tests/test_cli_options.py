@@ -101,3 +101,12 @@ def test_one_default_drafter_for_generate_stream_and_the_pipeline():
     generate_parser = dict(parsers(parser))["speclanes generate"]
     drafter = next(a for a in generate_parser._actions if "--drafter" in a.option_strings)
     assert "default: auto" in drafter.help
+
+
+def test_bench_peers_refuses_a_misspelt_peer_by_name(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser(with_benches=True).parse_args(["bench", "peers", "--peers", "llama-server"])
+    assert exited.value.code == 2
+    assert "unknown peer llama-server (choose from hf, llama_cpp, llama_server)" in capsys.readouterr().err
+    args = cli.build_parser(with_benches=True).parse_args(["bench", "peers"])
+    assert args.peers == ["hf", "llama_cpp", "llama_server"]

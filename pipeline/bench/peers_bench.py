@@ -636,6 +636,15 @@ def plot(summary: dict, path: Path, title: str) -> bool:
 # --- main -----------------------------------------------------------------------------
 
 
+def peer_names(text: str) -> list[str]:
+    """--peers: a misspelt peer is refused at the command line, not found missing halfway."""
+    names = [p for p in text.split(",") if p]
+    if unknown := [p for p in names if p not in PEERS]:
+        choices = ", ".join(PEERS)
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown)} (choose from {choices})")
+    return names
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`speclanes bench peers` and its flags."""
     parser = sub.add_parser(
@@ -644,8 +653,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_common_flags(parser, repeats=3)
     parser.add_argument(
-        "--peers", default="hf,llama_cpp,llama_server", help="peers to run (skipped if missing)"
-    )
+        "--peers", type=peer_names, default="hf,llama_cpp,llama_server",
+        help=f"peers to run, of {','.join(PEERS)} (skipped if missing)",
+    )  # fmt: skip
     parser.add_argument("--drafters", default="none,ngram,auto", help="speclanes drafters")
     parser.add_argument(
         "--http-drafters", default="none,auto", help="drafters of the gateway's rows ('': none)"
@@ -680,7 +690,7 @@ def main(args: argparse.Namespace) -> int:
     drafters = ["none", *(d for d in args.drafters.split(",") if d != "none")]
     http_drafters = tuple(d for d in args.http_drafters.split(",") if d)
     skipped: dict[str, str] = {}
-    peers = [p for p in args.peers.split(",") if p]
+    peers = args.peers
     model = load_model(served, set_backend(args.set))
     workers = start_workers(peers, served, threads, args.lookup_tokens, skipped)
     server = start_server(peers, served, threads, args.clients, slot_tokens(model, args.max_tokens), skipped)
