@@ -23,7 +23,7 @@ from pipeline.protocol.messages import DraftRequest, Reported, VerifyInbox
 from pipeline.protocol.transport import Inbox, Outbox
 from pipeline.workers.driver import Out
 from pipeline.workers.verifier import Verifier, runtime_report
-from pipeline.workers.verify_core import VerifyCore
+from pipeline.workers.verify_core import VerifyCore, reports_now
 
 log = logging.getLogger(__name__)
 DRAFT_BUFFER = 256  # draft requests the draft lane's socket holds while its pipe writes the ones before
@@ -39,11 +39,14 @@ class VerifyLane:
         self.results = lane.replies()
         self.drafts = Outbox(config.addresses.draft, config.tls, buffer=DRAFT_BUFFER)
         self.reported: list[Out] = []  # decided steps not yet sent to the orchestrator
+        self.urgent = False  # among them a first token, a last step or a failure (`reports_now`)
         self.last_report = trio.current_time()
 
     async def send(self, out: list[Out]) -> None:
         """Draft requests at once; decided steps every `run.report_interval_seconds` while the lane
-        keeps decoding, and all of them as soon as it has nothing queued."""
+        keeps decoding, and all of them as soon as it has nothing queued or one of them is a first
+        token, a last step or a failure (`reports_now`)."""
+        self.urgent = self.urgent or reports_now(out)
         for item in out:
             if item.lane != "draft":
                 self.reported.append(item)
@@ -51,8 +54,8 @@ class VerifyLane:
                 await self.send(self.core.draft_unsent(item.message.request_id, trio.current_time()))
         now = trio.current_time()
         run = self.config.run
-        if now - self.last_report >= run.report_interval_seconds or not self.core.has_work():
-            self.last_report = now
+        if self.urgent or now - self.last_report >= run.report_interval_seconds or not self.core.has_work():
+            self.last_report, self.urgent = now, False
             reported = bool(self.reported)
             await self.report()
             if reported and run.report_pause_seconds > 0 and self.core.has_work():

@@ -39,8 +39,9 @@ from pipeline.protocol.messages import (
     Verify,
 )
 from pipeline.workers.draft_server import DraftServer
-from pipeline.workers.driver import DraftLane, Driver
+from pipeline.workers.driver import DraftLane, Driver, Out
 from pipeline.workers.verifier import Verifier
+from pipeline.workers.verify_core import reports_now
 
 from .orchestration_harness import FakeLane
 from .telemetry_harness import MemoryTelemetry
@@ -576,6 +577,24 @@ def test_a_request_in_a_crowded_forward_decodes_plainly_without_asking_the_draft
         pending[neighbours] = driver.pending
     assert isinstance(pending[0], DraftRequest) and pending[0].k > 0
     assert isinstance(pending[7], Verify) and pending[7].drafts == []
+
+
+def test_a_first_token_a_last_step_and_a_failure_are_reported_at_once_the_rest_ride_the_interval(model):
+    """The verify lane batches decided steps into reports every `run.report_interval_seconds`;
+    `reports_now` picks what may not wait for one: time to first token and the end of an answer are
+    latencies a client sees whole, and a re-prime waits on a failure."""
+    verifier = Verifier(model, FakeLane())
+    client = Client(verifier, "r", PROMPTS["short"], GREEDY)
+    driver = client.driver
+    assert reports_now(driver.on_reply(one(verifier.handle([client.open_message()])), 0.0))
+    middle, last = [], []
+    while not driver.over:
+        out = driver.on_reply(one(verifier.handle([client.verify_message()])), 0.0)
+        (last if driver.over else middle).append(out)
+    assert len(middle) == GREEDY.max_tokens - 2 and not any(reports_now(out) for out in middle)
+    assert len(last) == 1 and reports_now(last[0])
+    lost = StepFailed(request_id="r", step=3, origin="verify", kind="unknown_request", message="restarted")
+    assert reports_now([Out("data", lost)])
 
 
 # --- draft lane -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pipeline.protocol.config import Config
 from pipeline.protocol.messages import (
     BadMessage,
     Close,
+    Decided,
     Drafted,
     Open,
     StepFailed,
@@ -167,3 +168,15 @@ class VerifyCore:
 
     def unqueue(self, request_id: str) -> None:
         self.queued = [m for m in self.queued if m.request_id != request_id]
+
+
+def reports_now(out: list[Out]) -> bool:
+    """Whether these messages should reach the orchestrator now rather than with the next report
+    (`run.report_interval_seconds`): a request's first token and its last step are the latencies a
+    client sees whole (time to first token, the end of the answer), and a failure is waited on by a
+    re-prime. The steps between them lose nothing by riding the interval's bursts."""
+    return any(
+        isinstance(m := item.message, StepFailed) or (isinstance(m, Decided) and (m.step == 0 or m.over))
+        for item in out
+        if item.lane == "data"
+    )
