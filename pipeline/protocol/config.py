@@ -56,8 +56,11 @@ class Run(Section):
     run_ahead: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
     # How often the verify lane sends its decided steps to the orchestrator while it keeps decoding: 0,
     # after every forward; more means fewer, larger messages (fewer wake-ups of the orchestrator, the
-    # audit lane and polling clients) for up to that much added latency per token.
-    report_interval_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.02
+    # audit lane, the gateway and polling clients) for up to that much added latency per token. A
+    # request's first token and its end go at once whatever this is. 50 ms against 20 ms: 0.43 against
+    # 0.69 ms of orchestrator CPU a token and about 10% more tok/s through the gateway on 2 cores
+    # (docs/benchmarks.md); tokens then reach a reader 20 times a second.
+    report_interval_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
     # How long the verify lane yields the CPU after sending decided steps while it has more to decode:
     # on a machine whose cores the forward's threads all use, the orchestrator, the audit lane and the
     # clients then handle them between two forwards instead of stalling one. 0 on a machine with cores
