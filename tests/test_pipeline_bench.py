@@ -1,10 +1,11 @@
-"""`speclanes bench pipeline`'s inter-token latency: the gaps between a stream's chunks, in ms."""
+"""`speclanes bench pipeline`'s inter-token latency (the gaps between a stream's chunks, in ms) and
+its verdicts against issue 25's targets."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.bench.pipeline_bench import inter_token_ms
+from pipeline.bench.pipeline_bench import headline, inter_token_ms
 
 
 def test_inter_token_latency_is_the_median_and_the_99th_percentile_gap():
@@ -13,3 +14,27 @@ def test_inter_token_latency_is_the_median_and_the_99th_percentile_gap():
     assert found["p50"] == pytest.approx(10.0)
     assert 200.0 < found["p99"] < 500.0  # between the two stalls: the 99th of 100 gaps
     assert inter_token_ms([]) == inter_token_ms([0.1]) == {"p50": 0.0, "p99": 0.0}
+
+
+def run_of(ratios: dict, gateway: float, scaling: dict, rates: dict) -> dict:
+    """A bench run's results, reduced to what `headline` reads: one workload, a 2.5x ceiling."""
+    stream = {name: {"ratio": r, "gateway_ratio": gateway, "identical": True} for name, r in ratios.items()}
+    drafters = {
+        name: {"scaling": scaling[name], "1": {"identical": True}, "8": {"tokens_per_second": rates[name],
+                                                                        "identical": True}}
+        for name in scaling
+    }  # fmt: skip
+    load = {"clients": 8, "drafters": drafters, "ceiling": {"ceiling_with_prefill": 2.5}}
+    return {"single_stream": {"workloads": {"chat": stream}}, "load": load}
+
+
+def test_the_headline_holds_every_drafter_to_the_targets_and_auto_to_none():
+    met = headline(run_of({"none": 0.96, "ngram": 0.95, "auto": 0.97}, 0.91, {"none": 2.3, "auto": 2.25},
+                          {"none": 400.0, "auto": 410.0}))  # fmt: skip
+    assert met["overhead_met"] and met["gateway_met"] and met["scaling_met"] and met["identical"]
+    assert met["auto_vs_none"] == pytest.approx(410 / 400)
+    assert met["ceiling_share"]["auto"] == pytest.approx(0.9)
+    missed = headline(run_of({"none": 0.96, "auto": 0.80}, 0.89, {"none": 2.3, "auto": 2.2},
+                             {"none": 400.0, "auto": 380.0}))  # fmt: skip
+    assert not missed["overhead_met"]  # auto counts too
+    assert not missed["gateway_met"] and not missed["scaling_met"] and missed["auto_vs_none"] < 1.0

@@ -69,9 +69,13 @@ LOAD_PROMPTS = (
     "Give a simple recipe for tomato soup with step-by-step instructions.",
     "Invent the plot of a heist movie set in a museum of clocks.",
 )
-OVERHEAD_TARGET = 0.90  # the pipeline may lose at most 10% of in-process tokens/s
-GATEWAY_TARGET = 0.90  # issue 25: through the HTTP gateway with SSE, at least 0.90x of in-process
-SCALING_TARGET = 3.0  # N clients should get at least 3x the aggregate tokens/s of one
+# Issue 25's targets. Single stream, every drafter the run has (none, ngram, auto): the socket
+# pipeline at least 0.95x of in-process, the HTTP gateway with SSE at least 0.90x. N clients: each
+# drafter's scaling at least 0.9 of the model's own ceiling in the same run (with the prompts'
+# prefills, as the load test has them), and `auto` at least `none`.
+OVERHEAD_TARGET = 0.95
+GATEWAY_TARGET = 0.90
+CEILING_SHARE_TARGET = 0.9
 PROCESSES = ("verify", "orchestrator", "draft", "audit")
 CORES_HEADER = "cores busy: verify orch draft audit clients others"
 
@@ -343,19 +347,15 @@ def forward_seconds(model: Model, caches: list, repeats: int = 15) -> float:
 
 
 def headline(results: dict) -> dict:
-    ratios = [
-        r["ratio"]
-        for by_drafter in results["single_stream"]["workloads"].values()
-        for name, r in by_drafter.items()
-        if name in ("none", "ngram")
-    ]
-    gateway = [
-        r["gateway_ratio"]
-        for by_drafter in results["single_stream"]["workloads"].values()
-        for name, r in by_drafter.items()
-        if name in ("none", "ngram") and "gateway_ratio" in r
-    ]
-    scaling = {name: d["scaling"] for name, d in results["load"]["drafters"].items()}
+    """The run against issue 25's targets (`OVERHEAD_TARGET` and the two below it)."""
+    workloads = results["single_stream"]["workloads"].values()
+    streams = [r for by_drafter in workloads for r in by_drafter.values()]
+    ratios = [r["ratio"] for r in streams]
+    gateway = [r["gateway_ratio"] for r in streams if "gateway_ratio" in r]
+    load = results["load"]
+    scaling = {name: d["scaling"] for name, d in load["drafters"].items()}
+    ceiling = load["ceiling"]["ceiling_with_prefill"]
+    rates = {name: d[str(load["clients"])]["tokens_per_second"] for name, d in load["drafters"].items()}
     identical = all(
         r["identical"] and r.get("gateway_identical", True)
         for by_drafter in results["single_stream"]["workloads"].values()
@@ -373,8 +373,10 @@ def headline(results: dict) -> dict:
         "gateway_target": GATEWAY_TARGET,
         "gateway_met": bool(gateway) and min(gateway) >= GATEWAY_TARGET,
         "scaling": scaling,
-        "scaling_target": SCALING_TARGET,
-        "scaling_met": all(s >= SCALING_TARGET for s in scaling.values()),
+        "ceiling": ceiling,
+        "ceiling_share": {name: s / ceiling for name, s in scaling.items()},
+        "scaling_met": all(s >= CEILING_SHARE_TARGET * ceiling for s in scaling.values()),
+        "auto_vs_none": rates["auto"] / rates["none"] if {"auto", "none"} <= rates.keys() else None,
         "identical": identical,
     }
 
@@ -468,22 +470,32 @@ def render(results: dict) -> str:
         "",
         *render_load(results["load"]),
         "",
-        f"Overhead (none, ngram): worst pipeline/in-process {h['overhead_worst_ratio']:.2f}x, "
+        f"Overhead (every drafter): worst pipeline/in-process {h['overhead_worst_ratio']:.2f}x, "
         f"median {h['overhead_median_ratio']:.2f}x (target >= {OVERHEAD_TARGET:.2f}x: "
         f"{'met' if h['overhead_met'] else 'NOT met'})",
         *render_gateway(h),
-        f"Scaling at {results['load']['clients']} clients: {scaling} (target >= {SCALING_TARGET:.1f}x: "
+        f"Scaling at {results['load']['clients']} clients: {scaling}, against the ceiling with prefills "
+        f"{h['ceiling']:.2f}x (target >= {CEILING_SHARE_TARGET} of it: "
         f"{'met' if h['scaling_met'] else 'NOT met'})",
+        *render_auto_vs_none(h),
         f"Outputs identical everywhere: {'yes' if h['identical'] else 'NO'}",
     ]
     return "\n".join(lines)
+
+
+def render_auto_vs_none(h: dict) -> list[str]:
+    if h["auto_vs_none"] is None:
+        return []
+    met = "met" if h["auto_vs_none"] >= 1.0 else "NOT met"
+    return [f"auto / none at N clients: {h['auto_vs_none']:.2f}x (target >= 1.00x: {met})"]
 
 
 def render_gateway(h: dict) -> list[str]:
     if h["gateway_worst_ratio"] is None:
         return []
     return [
-        f"Through the HTTP gateway (none, ngram): worst gateway/in-process {h['gateway_worst_ratio']:.2f}x, "
+        f"Through the HTTP gateway (every drafter): worst gateway/in-process "
+        f"{h['gateway_worst_ratio']:.2f}x, "
         f"median {h['gateway_median_ratio']:.2f}x (target >= {GATEWAY_TARGET:.2f}x: "
         f"{'met' if h['gateway_met'] else 'NOT met'})"
     ]
