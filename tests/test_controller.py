@@ -222,3 +222,27 @@ def test_no_room_beside_the_neighbours_means_no_draft_is_asked_for():
     assert c.room(1, 16) == 0  # 2 rows are plain already; a third costs 40%
     assert controller(FLAT).room(3, 16) == 4  # 4 requests' rows, and 4 more within the flat part
     assert Controller(fixed=5).room(7, 5) == 5  # a k the user fixed is theirs
+
+
+def test_a_free_drafter_is_asked_while_its_proposals_pay_for_the_wait():
+    """In the pipeline a proposal is a round trip to the draft lane. Where the target keeps nothing
+    of what comes back (open chat for an n-gram drafter) the wait is pure loss: steps go plain without
+    asking, with a probe now and then; where proposals are kept (a quote), asking goes on."""
+    curve = GENTLE
+    chat, quote = controller(curve), controller(curve)
+    for c, accepted in ((chat, 0), (quote, 6)):
+        for _ in range(40):
+            if c.budget("ngram"):  # asked: a 2 ms wait beside a 10 ms forward
+                rows = 1 + (6 if accepted else 0)
+                c.observe(rows, curve[rows - 1], curve[rows - 1] + 0.002, [1.0] * (rows - 1), accepted)
+            else:
+                c.observe(1, curve[0], curve[0], [], 0)
+    asks = [chat.budget("ngram") for _ in range(60)]
+    assert asks.count(0) >= 50 and any(asks)  # mostly plain, with probes
+    assert all(quote.budget("ngram") == 16 for _ in range(20))
+    assert chat.overhead < 0.05  # the wait is the asking's, not charged to every step
+    in_process = controller(curve)  # a proposal in microseconds costs next to nothing to ask for
+    for _ in range(40):
+        in_process.budget("ngram")
+        in_process.observe(1, curve[0], curve[0] + 0.000005, [], 0)
+    assert in_process.asking.seconds < 0.001

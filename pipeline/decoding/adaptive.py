@@ -158,6 +158,43 @@ def node_probabilities(
 
 
 @dataclass
+class Asking:
+    """Whether asking a free drafter (n-gram, suffix, `auto`) for a proposal pays for the wait. In
+    process a proposal takes microseconds; in the pipeline it is a round trip to the draft lane, a
+    millisecond or more in which a single stream's forward waits. A step that asks gains what the
+    cut kept and the target accepted, for the rows it verified and the wait; one that does not is a
+    plain step. While asking does not pay (open chat, where n-grams rarely match), steps go plain
+    without the trip, asking again now and then (exponential back-off) so a change is noticed."""
+
+    seconds: float = 0.0  # a proposal's wait, over t(1) (EWMA)
+    gain: float = 1.0  # tokens a step that asked kept beyond the plain step's one (EWMA; hopeful)
+    rows: float = 0.0  # t(rows) / t(1) - 1 of a step that asked (EWMA)
+    smoothing: float = 0.2
+    asked: bool = False  # the last `ask` said to ask
+    _skipped: int = 0
+    _probe_after: int = 4
+
+    def pays(self, overhead: float) -> bool:
+        return (1.0 + self.gain) / (1.0 + self.rows + overhead + self.seconds) >= 1.0 / (1.0 + overhead)
+
+    def ask(self, overhead: float) -> bool:
+        if self.pays(overhead):
+            self._skipped, self._probe_after = 0, 4
+        else:
+            self._skipped += 1
+            if self._skipped >= self._probe_after:
+                self._skipped, self._probe_after = 0, min(self._probe_after * 2, 256)
+        self.asked = self._skipped == 0
+        return self.asked
+
+    def observe(self, seconds: float, gain: int, rows: float) -> None:
+        a = self.smoothing
+        self.seconds += a * (seconds - self.seconds)
+        self.gain += a * (gain - self.gain)
+        self.rows += a * (rows - self.rows)
+
+
+@dataclass
 class Controller:
     """Fixed node count when `fixed` is set; otherwise the cost model of the module docstring.
     Its limits come from a `Speculation` (0..K_LIMIT, 1..K_LIMIT)."""
@@ -168,19 +205,20 @@ class Controller:
     acceptance: dict[str, DepthAcceptance] = field(default_factory=dict)  # per drafter (`Proposal.drafter`)
     overhead: float = 0.05  # per-step seconds outside the forward, over t(1) (EWMA)
     draft_per_token: float = 0.0  # a paid drafter's seconds per draft token, over t(1) (EWMA)
+    asking: Asking = field(default_factory=Asking)  # whether a free drafter's proposal pays its wait
     smoothing: float = 0.2
     _plain_steps: int = 0
     _probe_after: int = 4
 
     def budget(self, drafter: str) -> int:
         """How many nodes to ask `drafter` for. A free drafter gets all it may give, and the cut
-        decides. A drafter whose drafts each cost a forward (`kinds.paid_per_draft`: a draft model, a
-        learned head) gets the chain length that pays. Its chains carry its own name, so its
-        calibration is used."""
+        decides, while asking it pays for the wait (`Asking`). A drafter whose drafts each cost a
+        forward (`kinds.paid_per_draft`: a draft model, a learned head) gets the chain length that
+        pays. Its chains carry its own name, so its calibration is used."""
         if self.fixed is not None:
             return self.fixed
         if not paid_per_draft(drafter):
-            return self.k_max
+            return self.k_max if self.asking.ask(self.overhead) else 0
         probs = node_probabilities(chain(self.k_max), [1.0] * self.k_max, self.depths(drafter))
         best = self._best_count(probs, per_node=self.draft_per_token)
         return best or self._probe(best)
@@ -263,8 +301,11 @@ class Controller:
             if paid_drafts:
                 per = extra / paid_drafts
                 self.draft_per_token += self.smoothing * (per - self.draft_per_token)
-            else:
-                self.overhead += self.smoothing * (extra - self.overhead)
+            else:  # a free drafter's wait is the asking's, not every step's
+                wait = (step_seconds - verify_seconds) / one
+                if self.asking.asked and wait > 0:
+                    self.asking.observe(wait, accepted, self.costs.ratio(rows) - 1.0)
+                self.overhead += self.smoothing * (max(0.0, extra - wait) - self.overhead)
         self.depths(drafter).observe(offered, accepted)
         if offered and accepted == len(offered):
             self._probe_after = 4
