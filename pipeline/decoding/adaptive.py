@@ -2,7 +2,7 @@
 
 A step verifies a draft tree of R nodes in one forward of R + 1 rows. If node i is kept with
 probability p_i, the step emits 1 + sum(p_i) tokens on average and costs t(R + 1) plus the
-step's fixed overhead (drafting, messages), so the controller keeps the R best nodes that
+step's fixed overhead (messages, bookkeeping), so the controller keeps the R best nodes that
 maximise (1 + sum p) / (t(R + 1) / t(1) + overhead). R = 0 is plain decoding. Because the cut
 comes after the proposal, free drafters (n-gram, suffix) may propose generously and only what
 pays is verified; the model drafter, whose drafts cost a forward each, is asked for the chain
@@ -17,7 +17,10 @@ length that pays (`budget`).
 - Neighbours: in a batched verify lane other requests' rows share the forward, so a request
   with neighbours may only add rows while the forward stays within `NEIGHBOUR_SLOWDOWN` of the
   time it takes without any speculation (`RowCosts.row_budget`): its speculation must not make
-  their steps slower.
+  their steps slower. Where that leaves no room (`Controller.room`), no draft is asked for.
+- Asking: a free drafter's proposal is not free in the pipeline (a round trip to the draft lane
+  while the forward waits), so whether to ask at all is judged by what asking steps gained against
+  the rows and the wait they cost (`Asking`); the wait is charged there, not to the step overhead.
 While nothing pays it probes now and then (exponential back-off) so a change is noticed.
 """
 
