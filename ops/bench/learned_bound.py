@@ -31,7 +31,7 @@ from pipeline.model import default_model_path, load_model
 from pipeline.model.calibration import row_seconds
 from pipeline.model.cpu import cpu_name
 from pipeline.model.draft_head import find_head, head_name, load_head, trained_heads_directory
-from pipeline.training.distill import load_shards, sampled
+from pipeline.training.distill import greedy_answers, load_shards
 from pipeline.training.evaluate import acceptance_by_depth
 
 
@@ -54,7 +54,7 @@ def main() -> int:
     assert head_path is not None, "no head: run speclanes drafter train"
     head = load_head(head_path, model.cfg, model.embed, model_path)
     work = trained_heads_directory() / (head_name(model_path).removesuffix(".npz") + ".work")
-    held = [s for i, s in enumerate(load_shards(work / "held-out")) if not sampled(i)][: args.prompts]
+    held = greedy_answers(load_shards(work / "held-out"))[: args.prompts]
     learned.MIN_PATH = 0.0  # every depth drafted: the bound picks the length
     measured = acceptance_by_depth(head, held, k=args.depth, stride=5)
     costs = Controller().costs

@@ -45,7 +45,7 @@ def write_prompts(path: Path, model_path: Path) -> None:
 def finish(arrays_path: Path, record_path: Path, model_path: Path, work: Path, out: Path, limit: int) -> None:
     from pipeline.model import load_model
     from pipeline.model.draft_head import embedding_digest, load_head, save_head
-    from pipeline.training.distill import load_shards, sampled
+    from pipeline.training.distill import greedy_answers, load_shards
     from pipeline.training.evaluate import acceptance_by_depth
 
     model = load_model(model_path)
@@ -65,8 +65,7 @@ def finish(arrays_path: Path, record_path: Path, model_path: Path, work: Path, o
         "made": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
     save_head(out, arrays, meta)
-    held_out = load_shards(work / "held-out")
-    greedy = [s for i, s in enumerate(held_out) if not sampled(i)][: limit or None]
+    greedy = greedy_answers(load_shards(work / "held-out"))[: limit or None]
     meta["held_out_acceptance"] = acceptance_by_depth(load_head(out, cfg, embed, model_path), greedy)
     save_head(out, arrays, meta)
     print(json.dumps(meta["held_out_acceptance"], indent=1))

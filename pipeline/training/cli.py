@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         save_head,
         trained_heads_directory,
     )
-    from pipeline.training.distill import distill, load_shards, sampled
+    from pipeline.training.distill import distill, greedy_answers, load_shards
     from pipeline.training.evaluate import acceptance_by_depth
     from pipeline.training.prompts import prompts
     from pipeline.training.train import train
@@ -136,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
         "data_seconds": round(data_seconds, 1), "made": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
     save_head(out, {**head.arrays(), "vocab": vocab}, meta)
-    greedy = [s for i, s in enumerate(held_out) if not sampled(i)]  # load_shards keeps the answers' order
+    greedy = greedy_answers(held_out)
     meta["held_out_acceptance"] = acceptance_by_depth(load_head(out, cfg, embed, model_path), greedy)
     meta["total_seconds"] = round(time.perf_counter() - start, 1)
     save_head(out, {**head.arrays(), "vocab": vocab}, meta)

@@ -151,6 +151,13 @@ def distill(
     return record
 
 
+def greedy_answers(found: list[Triple]) -> list[Triple]:
+    """The greedy answers among a held-out set's sequences, as `load_shards` returns them (in the
+    answers' order, so `sampled` tells which were drawn at TEMPERATURE): what held-out acceptance is
+    measured on."""
+    return [s for i, s in enumerate(found) if not sampled(i)]
+
+
 def load_shards(out: Path) -> list[tuple[np.ndarray, int, np.ndarray]]:
     """Every sequence on disk: (tokens, prompt length, features)."""
     found = []
