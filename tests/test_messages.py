@@ -165,6 +165,13 @@ results = st.builds(
     error=st.none() | st.builds(RequestError, kind=text, message=text),
 )
 
+chunk_batches = st.builds(  # a poll's reply, and each stream of a watch's
+    Chunks,
+    request_id=ids,
+    chunks=st.lists(st.builds(Chunk, seq=small, text=text, tokens=tokens), max_size=4),
+    done=st.none() | results,
+)
+
 STRATEGIES: dict[type, st.SearchStrategy] = {
     Open: st.builds(
         Open,
@@ -293,23 +300,11 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     ),
     Text: st.builds(Text, text=text),
     Submitted: st.builds(Submitted, request_id=ids, prompt_tokens=small),
-    Chunks: st.builds(
-        Chunks,
-        request_id=ids,
-        chunks=st.lists(st.builds(Chunk, seq=small, text=text, tokens=tokens), max_size=4),
-        done=st.none() | results,
-    ),
+    Chunks: chunk_batches,
     ErrorReply: st.builds(ErrorReply, kind=text, message=text),
     Watched: st.builds(
         Watched,
-        streams=st.lists(
-            st.builds(
-                Chunks,
-                request_id=ids,
-                chunks=st.lists(st.builds(Chunk, seq=small, text=text, tokens=tokens), max_size=2),
-            ),
-            max_size=3,
-        ),
+        streams=st.lists(chunk_batches, max_size=3),
         unknown=st.lists(ids, max_size=2),
     ),
     StatusReport: st.builds(
