@@ -356,12 +356,8 @@ def headline(results: dict) -> dict:
     scaling = {name: d["scaling"] for name, d in load["drafters"].items()}
     ceiling = load["ceiling"]["ceiling_with_prefill"]
     rates = {name: d[str(load["clients"])]["tokens_per_second"] for name, d in load["drafters"].items()}
-    identical = all(
-        r["identical"] and r.get("gateway_identical", True)
-        for by_drafter in results["single_stream"]["workloads"].values()
-        for r in by_drafter.values()
-    ) and all(
-        v["identical"] for d in results["load"]["drafters"].values() for k, v in d.items() if k != "scaling"
+    identical = all(r["identical"] and r.get("gateway_identical", True) for r in streams) and all(
+        v["identical"] for d in load["drafters"].values() for k, v in d.items() if k != "scaling"
     )
     return {
         "overhead_worst_ratio": min(ratios) if ratios else None,

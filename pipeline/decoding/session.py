@@ -133,8 +133,7 @@ class Session:
         if room < 0:
             self._ending = "length"
             return None
-        budget = self.controller.budget(self.drafter)
-        budget = self.controller.room(neighbours, budget) if budget else 0
+        budget = self.controller.room(neighbours, self.controller.budget(self.drafter))
         return max(0, min(budget, room, self.params.max_tokens - len(self.out.tokens) - 1))
 
     def floor(self) -> float:
