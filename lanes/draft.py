@@ -1,26 +1,27 @@
 """The draft lane: the `DraftServer` (pipeline/workers/draft_server.py) behind its inbox.
 
 It answers the verify lane, which drives each request's steps. A late draft is worthless, so
-replies are never waited on: one the verify lane cannot take now is dropped and reported. It
-serves `learned` when it has a draft head for the target (`model.draft_head`, or the one found
-for the model); the features it drafts from come from the verify lane with each DraftRequest.
+replies are never waited on: one the verify lane cannot take now is dropped and reported. It serves
+the drafters the verify lane does not run itself (`registry.split_by_lane`): with
+`run.draft_in_verify_lane` (the default) those that run a draft model, else every one, `learned`
+included when there is a draft head for the target (`model.draft_head`, or the one found for the
+model), whose features then come from the verify lane with each DraftRequest.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from lanes.lane import LaneContext, lane_main
-from pipeline.decoding.drafters.registry import make_draft_sources
+from pipeline.decoding.drafters.kinds import DRAFTERS
+from pipeline.decoding.drafters.registry import split_by_lane
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model import load_model
 from pipeline.model.default import model_path
-from pipeline.model.draft_head import DraftHead, head_for
-from pipeline.model.store import Front, load_front
+from pipeline.model.store import load_front
 from pipeline.protocol.messages import BadMessage, Close, DraftInbox
 from pipeline.protocol.transport import Inbox
-from pipeline.workers.draft_server import DraftServer
+from pipeline.workers.draft_server import DraftServer, lane_sources
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,9 @@ async def serve(lane: LaneContext) -> None:
     target = load_front(served)  # vocabulary checks, the head's embedding rows: no other weights
     draft_path, backend, explicit = config.model.draft_path, config.model.backend, config.model.draft_head
     draft_model = load_model(draft_path, backend) if draft_path else None
-    sources = make_draft_sources(target, draft_model, served_head(served, target, explicit))
+    in_verify_lane = config.run.draft_in_verify_lane
+    _, here = split_by_lane(DRAFTERS, draft_model=bool(draft_path), in_verify_lane=in_verify_lane)
+    sources = lane_sources(here, target, draft_model, served, explicit)
     server = DraftServer(sources, target.cfg.vocab_size, lane, target.tokenizer)
     if target.tokenizer is not None:
         warm_up(target.tokenizer)  # a response_format request's drafter follows its grammar
@@ -55,19 +58,6 @@ async def serve(lane: LaneContext) -> None:
         lane.state.active_requests = len(server.active)
         if not results.put_nowait(reply):  # late drafts are worthless: never wait to send one
             lane.fault("timeout", "the verify lane did not take a draft", msg.request_id, msg.step)
-
-
-def served_head(served: Path, target: Front, explicit: str) -> DraftHead | None:
-    """The head `learned` drafts with: the one named (its errors end the lane, and say why), else the one
-    found for the model, if this machine can run it (its kernels need a C compiler): a found head that
-    cannot be built is left out with a warning, and the lane serves the other drafters."""
-    if explicit:
-        return head_for(served, target.cfg, target.embed, Path(explicit))
-    try:
-        return head_for(served, target.cfg, target.embed)
-    except Exception:
-        log.warning("not serving the learned drafter: its draft head cannot be built here", exc_info=True)
-        return None
 
 
 def main() -> None:

@@ -1,26 +1,31 @@
 """The verify lane: the `VerifyCore` (pipeline/workers/verify_core.py) behind its sockets.
 
 It drives every admitted request's decode loop: a forward as soon as steps are queued, with no
-wait for the orchestrator. Before a forward it waits up to `run.batch_window_seconds` for proposals
-still on their way from the draft lane, so those steps share it. Decided steps go to the
-orchestrator, draft requests straight to the draft lane; neither send ever blocks the loop (a draft
-the draft lane's socket cannot take now decodes plainly).
+wait for the orchestrator. The drafters that run no draft model draft here, between forwards
+(`local_drafts`); before a forward it waits up to `run.batch_window_seconds` for proposals still on
+their way from the draft lane, so those steps share it. Decided steps go to the orchestrator, draft
+requests for the draft lane straight to it; neither send ever blocks the loop (a draft the draft
+lane's socket cannot take now decodes plainly).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import trio
 
 from lanes.lane import LaneContext, lane_main
+from pipeline.decoding.drafters.kinds import DRAFTERS
+from pipeline.decoding.drafters.registry import split_by_lane
 from pipeline.decoding.grammar.compiler import warm_up
-from pipeline.model import load_model
+from pipeline.model import Runtime, load_model
 from pipeline.model.calibration import stored_row_seconds
 from pipeline.model.default import model_path
 from pipeline.protocol.messages import DraftRequest, Reported, VerifyInbox
 from pipeline.protocol.transport import Inbox, Outbox
+from pipeline.workers.draft_server import DraftServer, lane_sources
 from pipeline.workers.driver import Out
 from pipeline.workers.verifier import Verifier, runtime_report
 from pipeline.workers.verify_core import VerifyCore, reports_now
@@ -112,10 +117,24 @@ async def serve(lane: LaneContext) -> None:
     assert model.tokenizer is not None
     warm_up(model.tokenizer)  # every response_format request's grammar is compiled for it
     verifier = Verifier(model, lane, config.run.prefill_chunk, stored_row_seconds(model, path))
-    core = VerifyCore(verifier, lane, config, wall_offset=time.time() - trio.current_time())
+    local = local_drafts(lane, model, path)
+    offset = time.time() - trio.current_time()
+    core = VerifyCore(verifier, lane, config, clock=trio.current_time, wall_offset=offset, local=local)
     sockets = VerifyLane(lane, core)
     lane.heartbeat()  # tells the orchestrator we are ready
     await sockets.run()
+
+
+def local_drafts(lane: LaneContext, model: Runtime, path: Path) -> DraftServer | None:
+    """The drafters this lane runs itself (`run.draft_in_verify_lane`), beside the target."""
+    config = lane.config
+    here, _ = split_by_lane(
+        DRAFTERS, draft_model=bool(config.model.draft_path), in_verify_lane=config.run.draft_in_verify_lane
+    )
+    if not here:
+        return None
+    sources = lane_sources(here, model, None, path, config.model.draft_head)
+    return DraftServer(sources, model.cfg.vocab_size, lane, model.tokenizer, counts=False)
 
 
 def main() -> None:

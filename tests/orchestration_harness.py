@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import msgspec
 from opentelemetry.sdk.metrics.export import MetricReader
 
-from pipeline.decoding.drafters.registry import make_draft_sources
+from pipeline.decoding.drafters.kinds import DRAFTERS
+from pipeline.decoding.drafters.registry import make_draft_sources, split_by_lane
 from pipeline.decoding.result import Result
 from pipeline.model import Runtime
 from pipeline.model.draft_head import DraftHead
@@ -100,6 +101,17 @@ class World:
     head: DraftHead | None = None  # the draft lane's head (the hub knows of it by `model.draft_head`)
     forward_seconds: float = 0.0  # how long each of the verify lane's forwards takes, on `now`'s clock
 
+    @classmethod
+    def paced(cls, model: Runtime, settings: dict | None = None, **fields: object) -> World:
+        """A world whose drafts go through the draft lane (`run.draft_in_verify_lane` false): each
+        step's proposal is a delivery of its own, so `run(until=N)` stops mid-request and the draft
+        lane's faults can be staged (drafting in the verify lane, a request's steps can all run within
+        one delivery)."""
+        settings = settings or {}
+        run = {**settings.get("run", {}), "draft_in_verify_lane": False}
+        world = cls(model, config=msgspec.convert({**settings, "run": run}, Config), **fields)  # type: ignore[arg-type]
+        return world
+
     def __post_init__(self) -> None:
         self.telemetry = MemoryTelemetry(self.readers)
         self.hub = self.new_hub()
@@ -111,12 +123,31 @@ class World:
         return self.core.verifier
 
     def new_core(self) -> VerifyCore:
+        """As the verify lane builds it: with the drafters it runs itself (`run.draft_in_verify_lane`)."""
         verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
-        return VerifyCore(verifier, verifier.lane, self.config)
+        here, _ = split_by_lane(
+            DRAFTERS, draft_model=False, in_verify_lane=self.config.run.draft_in_verify_lane
+        )
+        sources = make_draft_sources(self.model, None, self.head, only=here)
+        local = (
+            DraftServer(sources, self.model.cfg.vocab_size, verifier.lane, self.model.tokenizer, counts=False)
+            if here
+            else None
+        )
+        return VerifyCore(verifier, verifier.lane, self.config, clock=lambda: self.now, local=local)
+
+    def drafter_server(self, drafter: str) -> DraftServer:
+        """The server that drafts `drafter`: the verify lane's own, or the draft lane's."""
+        local = self.core.local
+        return local if local is not None and drafter in local.sources else self.drafts
 
     def new_draft_server(self) -> DraftServer:
-        """As the draft lane builds it: with the target's tokenizer, for requests with a response_format."""
-        sources = make_draft_sources(self.model, None, self.head)
+        """As the draft lane builds it: with the drafters the verify lane leaves to it, and the target's
+        tokenizer, for requests with a response_format."""
+        _, there = split_by_lane(
+            DRAFTERS, draft_model=False, in_verify_lane=self.config.run.draft_in_verify_lane
+        )
+        sources = make_draft_sources(self.model, None, self.head, only=there)
         return DraftServer(sources, self.model.cfg.vocab_size, FakeLane(), self.model.tokenizer)
 
     def new_hub(self) -> Hub:

@@ -410,7 +410,7 @@ def test_admission_checks_token_prompts_and_the_bias_against_the_vocabulary(mode
     draft = DraftRequest(
         request_id="r", step=1, drafter="ngram", params=outside, seed=1, prompt_length=2, context=[5, 6], k=2
     )
-    draft_reply = world.drafts.draft(draft)
+    draft_reply = world.drafter_server("ngram").draft(draft)
     assert isinstance(draft_reply, StepFailed) and "outside the model's vocabulary" in draft_reply.message
 
 

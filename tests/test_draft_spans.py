@@ -29,7 +29,8 @@ def test_a_span_per_run_of_draft_steps_with_an_event_each(model):
                            drafter="ngram", k=4)  # fmt: skip
     world.run()
     assert world.result(request) is not None
-    spans = world.drafts.lane.telemetry.spans("draft")
+    server = world.drafter_server("ngram")  # the verify lane's own
+    spans = server.lane.telemetry.spans("draft")  # type: ignore[attr-defined]
     events = [dict(e.attributes) for s in spans for e in s.events if e.name == "step"]
     steps = [int(e["speclanes.step"]) for e in events]
     assert len(steps) > STEPS_PER_SPAN and steps == sorted(set(steps))  # every step once, in order
@@ -38,4 +39,4 @@ def test_a_span_per_run_of_draft_steps_with_an_event_each(model):
     assert sum(int(dict(s.attributes)["speclanes.drafted"]) for s in spans) == sum(
         int(e.get("speclanes.drafted", 0)) for e in events
     )
-    assert not world.drafts.spans.open
+    assert not server.spans.open

@@ -23,7 +23,12 @@ from pipeline.decoding.drafters.kinds import (
     reads_features,
     samples,
 )
-from pipeline.decoding.drafters.registry import FACTORIES, make_draft_source, make_draft_sources
+from pipeline.decoding.drafters.registry import (
+    FACTORIES,
+    make_draft_source,
+    make_draft_sources,
+    split_by_lane,
+)
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculation import Speculation, SpeculationError
 from pipeline.model import Model
@@ -202,3 +207,12 @@ def test_no_module_compares_a_name_with_model():
             if any(_is_model(n) for n in compared):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found
+
+
+@pytest.mark.parametrize("draft_model", [False, True], ids=["no-draft-model", "draft-model"])
+def test_drafters_that_run_no_draft_model_draft_in_the_verify_lane_unless_told_otherwise(draft_model):
+    here, there = split_by_lane(DRAFTERS, draft_model=draft_model, in_verify_lane=True)
+    assert set(here) | set(there) == set(DRAFTERS) and not set(here) & set(there)
+    assert "model" in there and {"none", "ngram", "suffix", "learned"} <= set(here)
+    assert ("auto" in there) == draft_model  # with a draft model among its members, it drafts there
+    assert split_by_lane(DRAFTERS, draft_model=draft_model, in_verify_lane=False) == ([], list(DRAFTERS))

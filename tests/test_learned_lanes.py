@@ -273,11 +273,18 @@ def test_the_orchestrator_joins_features_until_a_draft_request_takes_them():
 # --- the orchestrator with both lane cores --------------------------------------------------------
 
 
-def head_world(tiny: Tiny, **fields) -> World:
-    config = msgspec.convert({"model": {"draft_head": str(tiny.head_path)}}, Config)
-    world = World(tiny.model, config=config, head=tiny.head, **fields)
+def head_world(tiny: Tiny, in_verify_lane: bool = True, **fields) -> World:
+    """`in_verify_lane`: `run.draft_in_verify_lane`, the verify lane drafting `learned` itself (else
+    the draft lane does, from the features each DraftRequest carries)."""
+    settings = {"model": {"draft_head": str(tiny.head_path)}, "run": {"draft_in_verify_lane": in_verify_lane}}
+    world = World(tiny.model, config=msgspec.convert(settings, Config), head=tiny.head, **fields)
     world.up()
     return world
+
+
+def drafting_lane(world: World) -> FakeLane:
+    """The lane whose drafter drafts `learned`: the verify lane, or the draft lane."""
+    return world.drafter_server("learned").lane  # type: ignore[return-value]
 
 
 def reference(tiny: Tiny, params: SamplingParams, drafter: str = "none") -> Result:
@@ -294,11 +301,13 @@ def finished(world: World, request_id: str) -> Result:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("drafter", ["learned"])
-def test_through_the_lanes_the_drafter_sees_what_it_sees_in_process(tiny, params, drafter):
+@pytest.mark.parametrize("in_verify_lane", [True, False], ids=["verify-lane", "draft-lane"])
+def test_through_the_lanes_the_drafter_sees_what_it_sees_in_process(tiny, params, in_verify_lane):
     """The same tokens as plain decoding; and since every feature arrives, the same drafts, step for
-    step, as the in-process loop's: each draft request's features run up to the pending token."""
-    world = head_world(tiny)
+    step, as the in-process loop's: each draft request's features run up to the pending token, and
+    a drafter in the verify lane asks the draft lane for nothing."""
+    drafter = "learned"
+    world = head_world(tiny, in_verify_lane)
     request_id = world.submit(prompt_text(), params=params, drafter=drafter, k=4)
     result = finished(world, request_id)
     assert result.tokens == reference(tiny, params).tokens
@@ -307,6 +316,8 @@ def test_through_the_lanes_the_drafter_sees_what_it_sees_in_process(tiny, params
     assert result.stats.accepted == in_process.stats.accepted
     assert all(s.message.features for s in world.sent if isinstance(s.message, Open))
     asks = [s.message for s in world.sent if isinstance(s.message, DraftRequest)]
+    assert drafting_lane(world).state.drafted == result.stats.drafted
+    assert not asks if in_verify_lane else asks
     at = 0  # each draft request's features continue the last one's: up to the pending token
     for ask in asks:
         assert ask.features is not None and ask.features_at == at
@@ -321,12 +332,13 @@ def test_a_drafter_that_reads_no_features_gets_none(tiny):
     assert sent and not any(m.features for m in sent)
 
 
+@pytest.mark.parametrize("in_verify_lane", [True, False], ids=["verify-lane", "draft-lane"])
 @pytest.mark.parametrize("lane", ["draft", "verify", "orchestrator"])
-def test_a_lane_restart_costs_drafts_never_output(tiny, tmp_path, lane):
+def test_a_lane_restart_costs_drafts_never_output(tiny, tmp_path, lane, in_verify_lane):
     """Killed mid-request: a restarted draft lane's drafter starts its history at the next features it
     gets and drafts again; a re-primed verify lane (after its own or the orchestrator's restart) sends
-    the whole prefix's features."""
-    world = head_world(tiny, journal_path=str(tmp_path / "journal.sqlite"))
+    the whole prefix's features (to its own drafter, or with the next DraftRequest)."""
+    world = head_world(tiny, in_verify_lane, journal_path=str(tmp_path / "journal.sqlite"))
     request_id = world.submit(prompt_text(), params=SEEDED, drafter="learned", k=4)
     world.run(until=12)
     assert world.result(request_id) is None  # mid-request
@@ -337,7 +349,7 @@ def test_a_lane_restart_costs_drafts_never_output(tiny, tmp_path, lane):
         world.up(lane)
     result = finished(world, request_id)
     assert result.tokens == reference(tiny, SEEDED).tokens
-    assert world.drafts.lane.state.drafted > 0  # the draft lane (a new one after its restart) drafted
+    assert drafting_lane(world).state.drafted > 0  # the drafting lane (a new one after its restart) drafted
     if lane != "draft":
         reprimes = [s.message for s in world.sent if isinstance(s.message, Open) and not s.message.sample]
         assert reprimes and all(m.features for m in reprimes)

@@ -246,7 +246,7 @@ def streamed(chunks: list[Chunk]) -> list[TokenLogprobs]:
 def test_a_verify_lane_restart_streams_an_entry_for_every_token(native):
     """Killed mid-stream: the re-primed lane is asked the lost step again and answers it with its
     entries; the tokens streamed before the kill kept theirs. The audit passes as ever."""
-    world = World(native)
+    world = World.paced(native)  # a middle to kill the lane in
     world.up()
     prompt = repetitive_prompt(8, 15)
     request_id = world.submit(None, prompt_token_ids=prompt, params=SEEDED, drafter="ngram", k=4)

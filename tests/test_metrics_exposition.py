@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import get_args
 
-import msgspec
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +23,6 @@ from pipeline.model import Model
 from pipeline.observability.prometheus import PrometheusExposition
 from pipeline.observability.telemetry import TelemetryError, check
 from pipeline.orchestration.tracing import FAULT_LANES, OUTCOMES
-from pipeline.protocol.config import Config
 from pipeline.protocol.messages import Fault, FaultKind, RequestOpened, StepEvent
 
 from .orchestration_harness import World
@@ -187,8 +185,7 @@ def test_faults_restarts_and_lanes_agree_with_status(scenario):
 
 def test_active_and_queued_are_what_status_shows_at_the_scrape(model):
     exposition = PrometheusExposition()
-    config = msgspec.convert({"admission": {"max_running": 1}}, Config)
-    world = World(model, config=config, readers=[exposition.reader])
+    world = World.paced(model, {"admission": {"max_running": 1}}, readers=[exposition.reader])
     world.up()
     first, second = world.submit(PROMPT, params=GREEDY), world.submit(PROMPT, params=GREEDY)
     found, status = samples(exposition.text()), world.hub.status()

@@ -63,6 +63,16 @@ def world(model) -> World:
     return w
 
 
+@pytest.fixture
+def paced_world(model) -> World:
+    """Drafting in the draft lane (`run.draft_in_verify_lane` false): each step's proposal is a
+    delivery of its own, so a request has a middle to lose or time out a message in, and the
+    draft lane's faults can be staged."""
+    w = World.paced(model)
+    w.up()
+    return w
+
+
 def reference(model: Model, params: SamplingParams, drafter: str = "none", k: int | None = 4) -> Result:
     assert model.tokenizer is not None
     source = NgramSource() if drafter == "ngram" else NoDraftSource()
@@ -157,7 +167,54 @@ def test_a_failed_audit_lane_leaves_its_events_in_the_outbox_and_requests_servin
     assert world.faults("lane_failed") == ["audit"]
 
 
-def test_a_draft_that_times_out_is_skipped_for_a_while(world, model):
+def test_a_drafter_that_runs_no_draft_model_drafts_in_the_verify_lane(world, model):
+    """With `run.draft_in_verify_lane` (the default), an n-gram request's proposals are made beside the
+    target: no DraftRequest leaves the verify lane, its steps still draft, its tokens are plain
+    decoding's, and its drafter there is closed with it."""
+    request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
+    result = finished(world, request_id)
+    assert result.tokens == reference(model, GREEDY).tokens and result.stats.drafted > 0
+    assert not any(isinstance(s.message, DraftRequest) for s in world.sent)
+    assert world.core.local is not None and not world.core.local.active
+
+
+class RaisingSource:
+    """An n-gram source whose drafters raise when asked for a proposal."""
+
+    name = "ngram"
+
+    def start(self, prompt, params, seed):
+        drafter = NgramSource().start(prompt, params, seed)
+        drafter.propose = lambda *args, **kwargs: 1 / 0
+        return drafter
+
+
+@pytest.mark.parametrize("in_verify_lane", [True, False], ids=["verify-lane", "draft-lane"])
+def test_a_drafter_that_raises_costs_its_steps_their_drafts_never_the_request(model, in_verify_lane):
+    """Wherever it runs, a drafter that raises is reported, and each step it fails decodes plainly:
+    the request ends with plain decoding's tokens and no error."""
+    world = World(model, config=msgspec.convert({"run": {"draft_in_verify_lane": in_verify_lane}}, Config))
+    world.up()
+    server = world.core.local if in_verify_lane else world.drafts
+    assert server is not None
+    server.sources["ngram"] = RaisingSource()  # type: ignore[assignment]
+    result = finished(world, world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4))
+    assert result.tokens == reference(model, GREEDY).tokens and result.stats.drafted == 0
+    assert {kind for kind, *_ in server.lane.faults} == {"draft_failed"}  # type: ignore[attr-defined]
+
+
+def test_only_a_draft_s_failure_is_taken_from_the_verify_lane_s_socket(world, model):
+    """A StepFailed there can only answer a draft: one for other work is refused and reported, and the
+    request it names goes on undisturbed."""
+    request_id = world.submit(PROMPT, params=GREEDY)
+    forged = StepFailed(request_id=request_id, step=1, origin="verify", kind="draft_failed", message="no")
+    world.feed([Send("verify", forged)])
+    assert finished(world, request_id).tokens == reference(model, GREEDY).tokens
+    assert [kind for kind, *_ in world.verifier.lane.faults] == ["bad_request"]
+
+
+def test_a_draft_that_times_out_is_skipped_for_a_while(paced_world, model):
+    world = paced_world
     world.lost.add("draft")
     request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
     world.run()
@@ -174,7 +231,8 @@ def test_a_draft_that_times_out_is_skipped_for_a_while(world, model):
     assert finished(world, second).stats.drafted > 0
 
 
-def test_draft_rows_that_do_not_fit_their_shape_cost_that_step_its_drafts_only(world, model):
+def test_draft_rows_that_do_not_fit_their_shape_cost_that_step_its_drafts_only(paced_world, model):
+    world = paced_world
     world.lost.add("draft")
     request_id = world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4)
     world.run()  # until the first draft request, which is lost
@@ -206,7 +264,8 @@ def test_a_verify_lane_restart_reprimes_and_the_output_is_undisturbed(world, mod
     assert "verify" in world.faults("lane_down")
 
 
-def test_a_lost_verify_step_is_sent_again_after_the_timeout(world, model):
+def test_a_lost_verify_step_is_sent_again_after_the_timeout(paced_world, model):
+    world = paced_world
     request_id = world.submit(PROMPT, params=GREEDY)
     world.run(until=8)
     world.lost.add("verify")
@@ -233,9 +292,16 @@ def test_the_verify_lane_runs_at_most_run_ahead_steps_past_the_journal(world, mo
     world.orchestrator_dead = False
     world.tick(2 * world.config.timeouts.verify)  # nothing came: the orchestrator re-primes
     result = finished(world, request_id)
-    assert result.tokens == decode(
-        model, prompt_tokens(model.tokenizer, PROMPT, chat=False, messages=None), params, NoDraftSource(), k=0
-    ).tokens
+    assert (
+        result.tokens
+        == decode(
+            model,
+            prompt_tokens(model.tokenizer, PROMPT, chat=False, messages=None),
+            params,
+            NoDraftSource(),
+            k=0,
+        ).tokens
+    )
 
 
 def test_a_request_nobody_hears_of_leaves_the_verify_lane_driver_and_all(world, model):
@@ -459,6 +525,7 @@ def test_when_the_drain_window_ends_the_unfinished_end_with_server_shutdown_and_
             break
         world.run(until=1)
     assert world.result(short).finish_reason == "length" and world.result(long) is None
+    world.run(until=20)  # the long one decodes on
     world.tick(1.0)
     assert world.result(long) is None  # the window is still open
     world.tick(1.5)
@@ -831,7 +898,7 @@ def test_max_tokens_over_the_limit_is_refused_on_the_client_socket_naming_it():
 
 
 def test_a_journal_row_this_version_cannot_read_costs_that_request_only(model, tmp_path):
-    world = World(model, journal_path=str(tmp_path / "journal.sqlite"))
+    world = World.paced(model, journal_path=str(tmp_path / "journal.sqlite"))  # a middle to stop in
     world.up()
     good, damaged = (world.submit(PROMPT, params=GREEDY) for _ in range(2))
     world.run(until=12)

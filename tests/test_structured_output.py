@@ -104,7 +104,7 @@ def test_forbidden_drafts_are_cut_by_the_verify_lane_and_never_booked(models):
             world.hub.config, speculation=msgspec.structs.replace(world.hub.config.speculation, tree=tree)
         )
         oracle = OracleSource(len(prompt_of(target)), want)
-        world.drafts.sources["ngram"] = oracle
+        world.drafter_server("ngram").sources["ngram"] = oracle
         request_id = served(world, params, "ngram", 4)
         result = world.result(request_id)
         assert result is not None and result.tokens == want, tree
@@ -140,13 +140,13 @@ class Silent:
 
 
 def test_the_draft_lane_proposes_the_grammar_s_forced_tokens(models):
-    """Behind a drafter that proposes nothing, steps still verify drafts: the draft lane's own matcher
-    follows each request's context and puts the tokens the grammar forces first."""
+    """Behind a drafter that proposes nothing, steps still verify drafts: the drafting lane's own
+    matcher follows each request's context and puts the tokens the grammar forces first."""
     target, _ = models
     params = GREEDY["flags"]
     world = World(target)
     world.up()
-    world.drafts.sources["ngram"] = Silent()
+    world.drafter_server("ngram").sources["ngram"] = Silent()
     request_id = served(world, params, "ngram", 8)
     result = world.result(request_id)
     assert result is not None and result.tokens == plain(target, params)
@@ -162,7 +162,7 @@ def test_lane_restarts_mid_request_continue_the_grammar_exactly(models):
     target, _ = models
     for params in (GREEDY["short"], SEEDED):
         want = plain(target, params)
-        world = World(target)
+        world = World.paced(target)  # drafts from the draft lane: a middle to kill both lanes in
         world.up()
         request_id = served(world, params, "ngram", 3, until=30)
         world.down("verify")

@@ -219,3 +219,16 @@ def head_for(
     """The head to draft with (`_head_to_serve`), built, or None."""
     checked = _head_to_serve(model_path, cfg, embed, explicit or "")
     return None if checked is None else _built(checked, cfg, embed, Path(model_path))
+
+
+def servable_head(served: Path, cfg: ModelConfig, embed: np.ndarray, explicit: str) -> DraftHead | None:
+    """The head a lane drafts `learned` with: the one named (its errors end the lane, and say why),
+    else the one found for the model, if this machine can run it (its kernels need a C compiler): a
+    found head that cannot be built is left out with a warning, and the lane serves the other drafters."""
+    if explicit:
+        return head_for(served, cfg, embed, Path(explicit))
+    try:
+        return head_for(served, cfg, embed)
+    except Exception:
+        log.warning("not serving the learned drafter: its draft head cannot be built here", exc_info=True)
+        return None

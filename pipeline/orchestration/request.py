@@ -253,7 +253,7 @@ class RequestMachine:
 
     def _release(self) -> list[Effect]:
         """Free the verify lane's state (best effort: it also expires idle state); its driver frees
-        the draft lane's."""
+        the drafter's."""
         self.pending, self.deadline = None, math.inf
         return [Send("verify", Close(request_id=self.id))]
 

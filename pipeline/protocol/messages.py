@@ -551,7 +551,7 @@ class Text(Message, frozen=True, kw_only=True):
     text: str
 
 
-VerifyInbox = Open | Close | StepsJournaled | Drafted
+VerifyInbox = Open | Close | StepsJournaled | Drafted | StepFailed  # StepFailed: a draft that failed
 DraftInbox = DraftRequest | Close
 AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
 AuditLaneInbox = AuditInbox | AuditBatch  # what the audit lane's socket takes (AuditInbox: what it stores)

@@ -13,13 +13,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 
 from pipeline.decoding.adaptive import K_LIMIT
 from pipeline.decoding.controls import vocabulary_problem
 from pipeline.decoding.drafters import EMPTY, Drafter, DraftSource, observe
+from pipeline.decoding.drafters.kinds import needs_head
+from pipeline.decoding.drafters.registry import make_draft_sources
 from pipeline.decoding.grammar.drafting import following
+from pipeline.model import Runtime
+from pipeline.model.draft_head import servable_head
+from pipeline.model.store import Front
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
 from pipeline.workers.reporting import LaneReporter, step_failed
@@ -38,13 +44,17 @@ class ActiveDraft:
 
 class DraftServer:
     """`tokenizer`: the target's, for requests with a response_format (their drafters put the grammar's
-    forced tokens first); without it such requests get the drafters' proposals alone."""
+    forced tokens first); without it such requests get the drafters' proposals alone. The draft lane
+    runs one, and so does the verify lane for the drafters it runs itself (`registry.split_by_lane`)."""
 
     def __init__(
         self, sources: dict[str, DraftSource], vocab_size: int, lane: LaneReporter,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | None = None, counts: bool = True,
     ) -> None:  # fmt: skip
+        """`counts`: add the drafts to the lane's `drafted` (a server inside the verify lane does not:
+        that lane counts the drafts it verifies)."""
         self.sources, self.vocab_size, self.lane, self.tokenizer = sources, vocab_size, lane, tokenizer
+        self.counts = counts
         self.active: OrderedDict[str, ActiveDraft] = OrderedDict()
         self.spans = RunSpans(lane.telemetry, "draft")  # a span per run of a request's drafts
 
@@ -119,7 +129,8 @@ class DraftServer:
             drafter=proposal.drafter or msg.drafter, seconds=time.perf_counter() - start,
             parents=parents, shares=shares,
         )  # fmt: skip
-        self.lane.state.drafted += len(tokens)
+        if self.counts:
+            self.lane.state.drafted += len(tokens)
         return active.reply
 
     def close(self, msg: Close) -> None:
@@ -145,3 +156,13 @@ def features_problem(msg: DraftRequest) -> str | None:
     if at < 0 or at + n >= length:
         return f"features for positions {at}..{at + n - 1} of a context of {length}"
     return None
+
+
+def lane_sources(
+    names: list[str], target: Runtime | Front, draft_model: Runtime | None, served: Path, explicit_head: str
+) -> dict[str, DraftSource]:
+    """The sources a lane serves for `names` (`registry.split_by_lane`), with the draft head built only
+    when one of them drafts with it (`draft_head.servable_head`)."""
+    wants_head = any(map(needs_head, names))
+    head = servable_head(served, target.cfg, target.embed, explicit_head) if wants_head else None
+    return make_draft_sources(target, draft_model, head, only=names)

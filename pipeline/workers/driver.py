@@ -13,7 +13,8 @@ crash anywhere loses nothing: the orchestrator re-primes the lane from its journ
 `sample=False` and the journaled steps), and the driver rebuilds its session from those records,
 exactly as the orchestrator rebuilds its own.
 
-Faults only cost speed: a draft lane that is down, slow or failing turns a step into plain decoding.
+Faults only cost speed: a draft lane that is down, slow or failing, or a drafter that raises, turns a
+step into plain decoding.
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ class Driver:
         self.pending, self.deadline = None, math.inf
         if isinstance(msg, Opened | Verified) and msg.features is not None:
             self.features = kept_features(self.features, msg.features_at, msg.features)
+        if isinstance(msg, StepFailed) and msg.origin == "draft":
+            return self._verify_step(now)  # a drafter failed (reported where it ran): this step goes plain
         if isinstance(msg, StepFailed):
             self.over = True
             return [Out("data", msg)]

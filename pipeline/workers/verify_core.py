@@ -1,12 +1,14 @@
 """The verify lane's I/O-free core: the `Verifier` and one `Driver` per admitted request.
 
-What arrives (Open, Close and StepsJournaled from the orchestrator, Drafted from the draft lane)
+What arrives (Open, Close and StepsJournaled from the orchestrator, Drafted or a draft's StepFailed
+from the draft lane)
 goes to the drivers; what the drivers ask of the verifier waits in `queued` for the next batched
 forward, which `forward` runs; everything else they send comes back as `Out`s for the lane process
 (lanes/verify.py) to put on its sockets. After a forward each driver plans its next step at once:
-a plain step is queued for the very next forward, a drafted one waits for its proposal (or its
-deadline). The orchestrator is never waited for, unless a request is `run.run_ahead` steps ahead of
-its journal.
+a plain step is queued for the very next forward, and so is a step whose drafter runs here
+(`local`, `run.draft_in_verify_lane`): its proposal is made on the spot; a step drafted by the
+draft lane waits for its proposal (or its deadline). The orchestrator is never waited for, unless
+a request is `run.run_ahead` steps ahead of its journal.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from pipeline.protocol.messages import (
     Close,
     Decided,
     Drafted,
+    DraftRequest,
     Open,
     StepFailed,
     StepsJournaled,
     Verify,
     VerifyInbox,
 )
+from pipeline.workers.draft_server import DraftServer
 from pipeline.workers.driver import DraftLane, Driver, Out
 from pipeline.workers.reporting import LaneReporter, step_failed
 from pipeline.workers.verifier import Verifier
@@ -36,16 +40,22 @@ log = logging.getLogger(__name__)
 
 class VerifyCore:
     def __init__(
-        self, verifier: Verifier, lane: LaneReporter, config: Config, wall_offset: float = 0.0
-    ) -> None:
-        """`wall_offset`: the wall clock minus the `now` passed in (audit events carry wall times)."""
+        self, verifier: Verifier, lane: LaneReporter, config: Config, *, clock: Callable[[], float],
+        wall_offset: float = 0.0, local: DraftServer | None = None,
+    ) -> None:  # fmt: skip
+        """`clock`: the time the `now`s passed in are read from (a proposal made here is dated by it);
+        `wall_offset`: the wall clock minus that time (audit events carry wall times); `local`: the
+        drafters this lane answers itself (`registry.split_by_lane`)."""
         model = verifier.model
         assert model.tokenizer is not None
         self.verifier, self.lane, self.config, self.wall_offset = verifier, lane, config, wall_offset
+        self.clock = clock
+        self.clock = clock
         self.tokenizer, self.context_length = model.tokenizer, model.cfg.context_length
         self.drivers: dict[str, Driver] = {}
         self.queued: list[Open | Verify | Close] = []  # for the verifier's next forward
         self.draft_lane = DraftLane()
+        self.local = local
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -65,7 +75,9 @@ class VerifyCore:
                 if (driver := self.drivers.get(request_id)) is not None:
                     out += driver.journaled_to(step, now)
             return self.route(out)
-        assert isinstance(msg, Drafted)
+        if isinstance(msg, StepFailed) and msg.origin != "draft":
+            self.lane.fault("bad_request", f"a StepFailed for {msg.origin!r} work came to the verify lane")
+            return []
         driver = self.drivers.get(msg.request_id)
         return self.route(driver.on_reply(msg, now)) if driver else []
 
@@ -155,16 +167,45 @@ class VerifyCore:
     # --- plumbing ----------------------------------------------------------------------
 
     def route(self, out: list[Out]) -> list[Out]:
-        """Queue what is for the verifier; drop drivers that are over; the rest leaves the lane."""
+        """Queue what is for the verifier; answer what is for a drafter that runs here; drop drivers
+        that are over; the rest leaves the lane."""
         leaving: list[Out] = []
         for item in out:
             if item.lane == "verifier":
                 self.queued.append(item.message)  # type: ignore[arg-type]
+            elif item.lane == "draft" and self.drafts_here(item.message):
+                leaving += self.draft_here(item.message)  # type: ignore[arg-type]
             else:
                 leaving.append(item)
         for request_id in [r for r, d in self.drivers.items() if d.over]:
             del self.drivers[request_id]
         return leaving
+
+    def drafts_here(self, msg: object) -> bool:
+        """A draft request for a drafter this lane serves, or the end of a request it drafted for."""
+        if self.local is None:
+            return False
+        if isinstance(msg, DraftRequest):
+            return msg.drafter in self.local.sources
+        return isinstance(msg, Close) and msg.request_id in self.local.active
+
+    def draft_here(self, msg: DraftRequest | Close) -> list[Out]:
+        """The proposal, made now and handed to the request's driver as the draft lane's reply would
+        be, at the time it is ready (`clock`); a drafter that raises costs its step the drafts."""
+        assert self.local is not None
+        if isinstance(msg, Close):  # the cross-request cache learns from the request's context
+            self.local.close(msg)
+            return []
+        try:
+            reply: Drafted | StepFailed = self.local.draft(msg)
+        except Exception as exc:  # a bug costs this step its drafts, never the lane
+            log.exception("drafting in the verify lane failed")
+            self.local.active.pop(msg.request_id, None)
+            reply = step_failed(self.lane, msg, "draft_failed", f"unexpected {exc!r}")
+        driver = self.drivers.get(msg.request_id)
+        if driver is None:
+            return []
+        return self.route(driver.on_reply(reply, self.clock()))
 
     def unqueue(self, request_id: str) -> None:
         self.queued = [m for m in self.queued if m.request_id != request_id]

@@ -5,7 +5,7 @@ string. The session asks a sampling drafter for the chain that pays (`Controller
 orchestrator and the audit read which steps carry the draft rows p(x) that the acceptance rule
 used (`samples`); admission refuses a drafter whose draft model or head is not configured
 (`needs_draft_model`, `needs_head`); the orchestrator asks the verify lane for the target's features
-for a request whose drafter reads them (`reads_features`), and passes them on to the draft lane.
+for a request whose drafter reads them (`reads_features`), which that lane hands to the drafter.
 
 How each kind is built lives in `registry.py`, keyed by the same names. This module is kept apart
 and imports nothing, so the session, the cost model and the audit can read it without loading
@@ -108,6 +108,13 @@ def parts(name: str, *, draft_model: bool, head: bool = False) -> tuple[str, ...
     return tuple(
         m for m in members if (draft_model or not needs_draft_model(m)) and (head or not needs_head(m))
     )
+
+
+def drafts_with_model(name: str, *, draft_model: bool) -> bool:
+    """Whether asking for `name` runs a draft model: it needs one, or it is a composite with a draft
+    model among its `parts` (given that there is one: `draft_model`). Those drafters run in the draft
+    lane; the others can run beside the target, in the verify lane (`run.draft_in_verify_lane`)."""
+    return any(needs_draft_model(part) for part in parts(name, draft_model=draft_model, head=True))
 
 
 def reads_features(name: str, *, draft_model: bool, head: bool) -> bool:

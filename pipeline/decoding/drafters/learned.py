@@ -8,7 +8,7 @@ yet), the head feeds its rows up to n - 1 from true features, then continues on 
 predictions: each draft token's row reads the feature the previous row predicted.
 
 Rows computed from true features stay in the head's KV cache across steps; rows from predictions
-are dropped after each proposal. Where features are missing (a draft lane restarted, so it holds
+are dropped after each proposal. Where features are missing (the lane drafting restarted, so it holds
 no history), the head starts from the first position it has a feature for: its attention then
 sees a shorter history, which costs acceptance, never correctness.
 

@@ -5,7 +5,7 @@ is read, and the optional draft model. A drafter that needs more (its own weight
 field to `Inputs`, and the other factories stay as they are. A composite kind has no factory. It
 is built from its members' sources. Both entry points build through `_build`, so there is only
 one map from names to sources. `make_draft_source` builds one source for a request;
-`make_draft_sources` builds every source that a long-lived draft lane serves. Within one call,
+`make_draft_sources` builds every source that a long-lived lane serves. Within one call,
 each name is built at most once. So the sources that a lane serves share their parts. For
 example, `auto`'s suffix source is the lane's `suffix` source, so all requests update one
 cross-request table.
@@ -13,12 +13,12 @@ cross-request table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pipeline.decoding.drafters import DraftSource, NoDraftSource
 from pipeline.decoding.drafters.composite import CompositeSource
-from pipeline.decoding.drafters.kinds import DRAFTERS, KINDS, kind, parts
+from pipeline.decoding.drafters.kinds import DRAFTERS, KINDS, drafts_with_model, kind, parts
 from pipeline.decoding.drafters.learned import LearnedSource
 from pipeline.decoding.drafters.model import ModelSource
 from pipeline.decoding.drafters.ngram import NgramSource
@@ -27,7 +27,7 @@ from pipeline.model import Runtime
 from pipeline.model.draft_head import DraftHead
 from pipeline.model.store import Front
 
-__all__ = ["DRAFTERS", "FACTORIES", "Inputs", "make_draft_source", "make_draft_sources"]
+__all__ = ["DRAFTERS", "FACTORIES", "Inputs", "make_draft_source", "make_draft_sources", "split_by_lane"]
 
 
 @dataclass(frozen=True)
@@ -91,17 +91,30 @@ def make_draft_source(
 
 
 def make_draft_sources(
-    target: Runtime | Front, draft_model: Runtime | None = None, draft_head: DraftHead | None = None
-) -> dict[str, DraftSource]:
-    """Every drafter a long-lived draft lane serves, in table order. The sources share their parts, so
-    there is one suffix table. A lane leaves out a kind that needs a draft model or a head when it has
-    none (`auto` then drafts without it). A kind that reads the target's features is served: the verify
-    lane computes them and the orchestrator passes them on with each DraftRequest (`drafters.observe`)."""
+    target: Runtime | Front, draft_model: Runtime | None = None, draft_head: DraftHead | None = None,
+    only: Collection[str] | None = None,
+) -> dict[str, DraftSource]:  # fmt: skip
+    """Every drafter a long-lived lane serves (those of `only`, if given), in table order. The sources
+    share their parts, so there is one suffix table. A lane leaves out a kind that needs a draft model
+    or a head when it has none (`auto` then drafts without it). A kind that reads the target's
+    features is served: the verify lane computes them for the requests whose drafter reads them."""
     inputs = Inputs(target, draft_model, draft_head)
     built: dict[str, DraftSource] = {}
     return {
         name: _build(name, inputs, built)
         for name, declared in KINDS.items()
-        if (draft_model is not None or not declared.needs_draft_model)
+        if (only is None or name in only)
+        and (draft_model is not None or not declared.needs_draft_model)
         and (draft_head is not None or not declared.needs_head)
     }
+
+
+def split_by_lane(
+    names: list[str] | tuple[str, ...], *, draft_model: bool, in_verify_lane: bool
+) -> tuple[list[str], list[str]]:
+    """(the drafters the verify lane answers itself, those the draft lane serves). With
+    `run.draft_in_verify_lane`, every drafter that runs no draft model drafts beside the target: its
+    proposal is ready the moment a forward ends, with no round trip and no second process taking
+    the forward's cores (docs/design.md, "Where drafts are made"). `draft_model`: one is configured."""
+    here = [n for n in names if in_verify_lane and not drafts_with_model(n, draft_model=draft_model)]
+    return here, [n for n in names if n not in here]
