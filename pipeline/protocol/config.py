@@ -54,8 +54,7 @@ class Run(Section):
     # Drafters that run no draft model (ngram, suffix, learned, auto without one) draft inside the verify
     # lane, between its forwards, with no round trip to the draft lane; false: every draft request goes
     # to the draft lane. On 2 cores the trip and a second process drafting cost more than drafting
-    # in place: 0.69x -> 0.86x of in-process for ngram on chat, 0.67x -> 0.84x for learned
-    # (docs/benchmarks.md).
+    # in place (docs/benchmarks.md, "Where drafts are made").
     draft_in_verify_lane: bool = True
     # Steps the verify lane may decide past what the orchestrator has journaled: it never waits for the
     # orchestrator between two forwards unless it is this far ahead.
