@@ -62,9 +62,10 @@ def by_label(found: dict, name: str, label: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def scenario(model):
-    """Requests with and without drafts, a fault a lane reports, a draft lane that died and came back."""
+    """Requests with and without drafts, a fault a lane reports, a draft lane that died and came back
+    (drafting there: `World.paced`)."""
     exposition = PrometheusExposition()
-    world = World(model, readers=[exposition.reader])
+    world = World.paced(model, readers=[exposition.reader])
     world.up()
     ids = [world.submit(PROMPT, params=GREEDY, drafter=d, k=4) for d in ("ngram", "ngram", "none")]
     world.run()

@@ -92,7 +92,8 @@ class PipelineMetrics:
         self.step_duration = meter.create_histogram(
             "speclanes.step.duration",
             "s",
-            "Round trip of one draft or verify call as the request sees it, by lane",
+            "One step's wait for its drafts (speclanes.lane=draft, wherever they were made) or its verify"
+            " forward (verify), as the request sees it",
             explicit_bucket_boundaries_advisory=STEP_BUCKETS,
         )
         self.ttft = meter.create_histogram(
