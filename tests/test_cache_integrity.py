@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,29 @@ def test_a_seal_trusts_an_unchanged_file_and_checks_a_rewritten_one(tmp_path):
     assert file_problem(single) is None
     single.write_bytes(b"z" * 9)
     assert "bytes" in file_problem(single)
+
+
+def test_writers_sealing_one_file_at_once_all_succeed(tmp_path):
+    """Two lanes may build and seal the kernels at the same moment on a fresh machine: each writes
+    the seal through a staging file of its own, so neither finds its staging file taken away."""
+    target = tmp_path / "kernels.so"
+    target.write_bytes(b"\x7fELF" * 64)
+    errors: list[BaseException] = []
+
+    def seal_often() -> None:
+        try:
+            for _ in range(40):
+                seal_file(target)
+        except BaseException as exc:  # any failure is the test's finding
+            errors.append(exc)
+
+    writers = [threading.Thread(target=seal_often) for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert errors == [] and file_problem(target) is None
+    assert {p.name for p in tmp_path.iterdir()} == {target.name, target.name + ".seal"}  # no staging left
 
 
 def test_cache_verify_and_clear_for_operators(tmp_path, monkeypatch, capsys):

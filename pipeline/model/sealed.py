@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,18 @@ def _stamp(path: Path) -> list[int]:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    with staging.open("w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staging, path)
+    """Written whole or not at all, through a staging file of this writer's own: two processes that
+    seal one file at once (two lanes building the kernels on a fresh machine) both succeed."""
+    fd, staging = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staging, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
 
 
 def _entry(path: Path) -> dict[str, Any]:
