@@ -97,7 +97,7 @@ def test_a_kind_that_needs_a_head_refuses_to_build_without_one(models, name):
         make_draft_source(name, models[0])
 
 
-def test_auto_chains_the_free_drafters_then_the_model_when_given(models):
+def test_auto_chains_the_free_drafters_then_the_head_and_the_model_when_given(models):
     target, draft, head = models
     without = make_draft_source("auto", target)
     assert isinstance(without, CompositeSource)
@@ -108,10 +108,10 @@ def test_auto_chains_the_free_drafters_then_the_model_when_given(models):
     assert parts("auto", draft_model=False) == ("ngram", "suffix")
     assert parts("auto", draft_model=True) == ("ngram", "suffix", "model")
     assert parts("model", draft_model=False) == ("model",)
-    with_head = make_draft_source("auto", target, None, head)  # the head is asked for by name only
-    assert isinstance(with_head, CompositeSource) and not with_head.needs_features
-    assert [s.name for s in with_head.sources] == ["ngram", "suffix"]
-    assert parts("auto", draft_model=True, head=True) == ("ngram", "suffix", "model")
+    with_head = make_draft_source("auto", target, None, head)  # then the head, which reads features
+    assert isinstance(with_head, CompositeSource) and with_head.needs_features
+    assert [s.name for s in with_head.sources] == ["ngram", "suffix", "learned"]
+    assert parts("auto", draft_model=True, head=True) == ("ngram", "suffix", "learned", "model")
 
 
 def test_a_lane_serves_every_drafter_it_can_and_shares_their_parts(models):
@@ -124,7 +124,7 @@ def test_a_lane_serves_every_drafter_it_can_and_shares_their_parts(models):
     auto = sources["auto"]
     assert isinstance(auto, CompositeSource)
     # One cross-request suffix table, one draft model source: the same objects as the named ones.
-    assert [id(s) for s in auto.sources] == [id(sources[n]) for n in ("ngram", "suffix", "model")]
+    assert [id(s) for s in auto.sources] == [id(sources[n]) for n in ("ngram", "suffix", "learned", "model")]
     # A single request's source shares nothing with another's.
     one, two = make_draft_source("auto", target), make_draft_source("auto", target)
     assert isinstance(one, CompositeSource) and isinstance(two, CompositeSource)
@@ -143,7 +143,8 @@ def test_a_lane_serves_a_drafter_that_reads_the_target_features(models, monkeypa
     assert make_draft_source("featured", target).name == "ngram"
     monkeypatch.setitem(kinds.KINDS, "mix", DrafterKind("mix", members=("ngram", "featured")))
     assert reads_features("mix", draft_model=False, head=False)
-    assert not reads_features("auto", draft_model=True, head=True)
+    assert reads_features("auto", draft_model=True, head=True)  # its head does
+    assert not reads_features("auto", draft_model=True, head=False)
     plain = ("none", "ngram", "suffix", "model")
     assert not any(reads_features(n, draft_model=True, head=True) for n in plain)
 

@@ -375,7 +375,7 @@ def test_a_pipeline_serves_learned_and_auto_exactly_through_lane_kills(tiny, tmp
 
     with running_pipeline(tmp_path / "run", settings) as pipeline, pipeline.client() as client:
         served = []
-        for drafter in ("learned",):
+        for drafter in ("learned", "auto"):
             for params in (GREEDY, SEEDED):
                 done = client.complete(prompt_text(), chat=True, params=params, drafter=drafter, k=4)
                 assert done.tokens == plain(params) and done.stats.drafted > 0, (drafter, params)

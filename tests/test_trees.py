@@ -14,7 +14,7 @@ from msgspec.structs import replace
 
 import pipeline.decoding.target as target_module
 from pipeline.decoding.acceptance import verify_tree
-from pipeline.decoding.drafters import NoDraftSource, first_share, tree_proposal
+from pipeline.decoding.drafters import NoDraftSource, Proposal, first_share, tree_proposal
 from pipeline.decoding.drafters.ngram import SHORTER_WEIGHT, NgramSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource, SuffixTable
@@ -308,3 +308,40 @@ def test_shorter_ngrams_add_weak_branches_and_a_later_drafter_keeps_a_share():
     assert sum(w for _, w in weak) == pytest.approx(0.01)
     mixed = prioritised([[([1], 1.0)], [([2], 1.0)]])
     assert mixed == [([1], 1.0), ([2], 0.25)]
+
+
+class Member:
+    """A composite member named as a kind, with fixed candidates, recording what it is asked."""
+
+    def __init__(self, name: str, found: list) -> None:
+        self.name, self.found, self.asked = name, found, []
+
+    def candidates(self, context, k, floor=0.0):
+        self.asked.append("candidates")
+        return self.found
+
+    def propose(self, context, k, tree=False, floor=0.0):
+        self.asked.append(("propose", tree))
+        if not self.found:
+            return Proposal([])
+        return Proposal([7, 8, 9], None, self.name, [-1, 0, 0] if tree else None)
+
+
+@pytest.mark.parametrize("ngram_found", [True, False], ids=["ngram-has-candidates", "ngram-has-none"])
+def test_a_member_that_is_not_merged_drafts_only_the_steps_the_merged_ones_leave(ngram_found):
+    """`auto` with a head: the n-gram candidates make the step's tree, the head is not asked; where
+    they have none, the head proposes a tree of its own, under its own label (its calibration)."""
+    from pipeline.decoding.drafters.composite import CompositeDrafter
+
+    ngram = Member("ngram", [([1, 2], 1.0)] if ngram_found else [])
+    head = Member("learned", [([5], 1.0)])
+    proposal = CompositeDrafter("auto", [ngram, head]).propose([3, 4], k=4, tree=True)
+    assert ngram.asked == ["candidates"]
+    if ngram_found:
+        assert (proposal.drafter, proposal.tokens, head.asked) == ("auto", [1, 2], [])
+    else:
+        assert (proposal.drafter, proposal.tokens, proposal.parents) == ("learned", [7, 8, 9], [-1, 0, 0])
+        assert head.asked == [("propose", True)]
+    members = [Member("ngram", []), Member("learned", [([5], 1.0)])]
+    chain = CompositeDrafter("auto", members).propose([3, 4], k=4)
+    assert chain.drafter == "learned" and chain.parents is None  # asked for a chain, a chain

@@ -1,6 +1,7 @@
 """Try drafters in order, cheapest first; the first with a proposal wins the step. Asked for a
 tree, the deterministic drafters' candidates are merged into one tree instead (`prioritised`),
-and a sampling drafter is asked only when they have none."""
+and the others (a draft model, which has no candidates; the learned head, whose kind is not
+`merged`) are asked in order, each for a proposal of its own, only when they have none."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pipeline.decoding.drafters import (
     observe,
     tree_proposal,
 )
+from pipeline.decoding.drafters.kinds import merged
 from pipeline.decoding.sampling import SamplingParams
 
 LATER_SHARE = 0.25  # the least weight a later drafter's candidates keep under a confident earlier one
@@ -43,16 +45,16 @@ class CompositeDrafter:
         if tree and k > 0:
             # Each drafter may drop candidates under its share of the floor, so the tree of those it
             # kept need only reach what the others' could have added to one node to go under it.
-            free = [d for d in self.drafters if hasattr(d, "candidates")]
+            free = [d for d in self.drafters if hasattr(d, "candidates") and merged(d.name)]
             share = floor / max(1, len(free))
             found = [c for d in free if (c := d.candidates(context, k, share))]
             if found:
                 left = floor - share * (len(free) - len(found))
                 return tree_proposal(self.name, prioritised(found), k, left)
         for drafter in self.drafters:
-            if tree and hasattr(drafter, "candidates"):
+            if tree and hasattr(drafter, "candidates") and merged(drafter.name):
                 continue  # asked above, with nothing to offer
-            proposal = drafter.propose(context, k)
+            proposal = drafter.propose(context, k, tree and not merged(drafter.name))
             if proposal.tokens:
                 return proposal
         return EMPTY

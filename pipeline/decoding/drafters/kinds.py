@@ -40,6 +40,9 @@ class DrafterKind:
     # left out when none is given. A composite's own label marks only its merged trees, which come
     # from its deterministic members; a member's chain keeps that member's label.
     members: tuple[str, ...] = ()
+    # In a composite's tree, its candidates merge with the other members' into one tree; if not, it is
+    # asked for a proposal of its own (a tree, when trees are asked for) only when those have none.
+    merged: bool = True
 
 
 KINDS: dict[str, DrafterKind] = {
@@ -48,12 +51,12 @@ KINDS: dict[str, DrafterKind] = {
         DrafterKind("none"),
         DrafterKind("ngram"),
         DrafterKind("suffix"),
-        DrafterKind("learned", needs_features=True, needs_head=True, paid_per_draft=True),
+        DrafterKind("learned", needs_features=True, needs_head=True, paid_per_draft=True, merged=False),
         DrafterKind("model", samples=True, needs_draft_model=True, paid_per_draft=True),
-        # Not `learned`, yet: with the GPU-trained head, asked in auto's merged trees only where the
-        # n-gram and suffix candidates weighed under 0.5, it still made chat slower (0.90x of plain
-        # against 1.05x without it) and quote and code 4-6% slower (docs/learned_drafter.md).
-        DrafterKind("auto", members=("ngram", "suffix", "model")),
+        # The head (where there is one) drafts only the steps the n-gram and suffix drafters have nothing
+        # for, a chain of its own: open chat gains, quote and code keep their speed. Merged into their
+        # trees it made chat and code slower (docs/learned_drafter.md, "`auto` and the head").
+        DrafterKind("auto", members=("ngram", "suffix", "learned", "model")),
     )
 }
 DRAFTERS = tuple(KINDS)  # the names, in table order, as the CLI and the configuration spell them
@@ -86,6 +89,13 @@ def needs_features(name: str) -> bool:
 def needs_draft_model(name: str) -> bool:
     """Whether `name` cannot draft without a draft model."""
     return _declares(name, "needs_draft_model")
+
+
+def merged(name: str) -> bool:
+    """Whether a composite merges `name`'s candidates with its other members' (see `DrafterKind`); a
+    label no kind declares is merged, as every drafter with candidates was before the flag."""
+    declared = KINDS.get(name)
+    return declared is None or declared.merged
 
 
 def paid_per_draft(name: str) -> bool:
