@@ -61,6 +61,7 @@ from pipeline.model import Runtime as Model
 from pipeline.model import backend_key, load_model, set_backend
 from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.model.default import model_path
+from pipeline.model.draft_head import DraftHead, head_for
 from pipeline.protocol.client import Client
 
 GOAL_WORKLOADS = ("quote", "code")
@@ -264,8 +265,11 @@ class Runner:
         workers: dict[str, PeerWorker],
         server: llama_server.LlamaServer | None,
         max_tokens: int,
+        head: DraftHead | None = None,
     ) -> None:
+        """`head`: the draft head the in-process rows draft with, the one the pipeline finds."""
         self.model, self.workers, self.server, self.max_tokens = model, workers, server, max_tokens
+        self.head = head
         self.client: Client | None = None
         self.gateway: str | None = None
         self.http = http_clients.new_client()
@@ -275,7 +279,7 @@ class Runner:
     def new_repeat(self, drafters: list[str], client: Client | None, gateway: str | None = None) -> None:
         """Fresh in-process draft sources, like the fresh pipeline: `auto`'s cross-request cache
         starts empty each repeat on both sides and is fed the same requests in the same order."""
-        self.sources = {d: make_draft_source(d, self.model) for d in drafters}
+        self.sources = {d: make_draft_source(d, self.model, None, self.head) for d in drafters}
         self.client, self.gateway = client, gateway
 
     def run(self, variant: Variant, workload: str, prompt: list[int], max_tokens: int | None = None) -> dict:
@@ -696,7 +700,7 @@ def main(args: argparse.Namespace) -> int:
     server = start_server(peers, served, threads, args.clients, slot_tokens(model, args.max_tokens), skipped)
     found = [p for p in peers if p in workers or (p == "llama_server" and server)]
     rows = variants(drafters, not args.no_pipeline, found, http_drafters)
-    runner = Runner(model, workers, server, args.max_tokens)
+    runner = Runner(model, workers, server, args.max_tokens, head_for(served, model.cfg, model.embed))
     try:
         runs, phases, load = measure(args, model, rows, runner)
     finally:
