@@ -4,6 +4,8 @@ outbox and admission. Outputs are compared with the in-process decoder, token fo
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -176,6 +178,18 @@ def test_a_drafter_that_runs_no_draft_model_drafts_in_the_verify_lane(world, mod
     assert result.tokens == reference(model, GREEDY).tokens and result.stats.drafted > 0
     assert not any(isinstance(s.message, DraftRequest) for s in world.sent)
     assert world.core.local is not None and not world.core.local.active
+
+
+@pytest.mark.parametrize("in_verify_lane", [True, False], ids=["verify-lane", "draft-lane"])
+def test_a_draft_lane_that_is_down_costs_only_its_own_drafters_their_drafts(model, in_verify_lane):
+    """Its socket not connected and its proposals late: steps that would ask it go plain, while a
+    drafter the verify lane runs itself drafts on."""
+    world = World(model) if in_verify_lane else World.paced(model)
+    world.up()
+    world.core.draft_lane.connected, world.core.draft_lane.slow_until = False, math.inf
+    result = finished(world, world.submit(PROMPT, params=GREEDY, drafter="ngram", k=4))
+    assert result.tokens == reference(model, GREEDY).tokens
+    assert (result.stats.drafted > 0) == in_verify_lane
 
 
 class RaisingSource:

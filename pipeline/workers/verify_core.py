@@ -54,7 +54,7 @@ class VerifyCore:
         self.tokenizer, self.context_length = model.tokenizer, model.cfg.context_length
         self.drivers: dict[str, Driver] = {}
         self.queued: list[Open | Verify | Close] = []  # for the verifier's next forward
-        self.draft_lane = DraftLane()
+        self.draft_lane = DraftLane(frozenset(local.sources) if local is not None else frozenset())
         self.local = local
 
     # --- inputs ------------------------------------------------------------------------
