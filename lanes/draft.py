@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 
 from lanes.lane import LaneContext, lane_main
-from pipeline.decoding.drafters.kinds import DRAFTERS
 from pipeline.decoding.drafters.registry import split_by_lane
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model import load_model
@@ -33,7 +32,7 @@ async def serve(lane: LaneContext) -> None:
     draft_path, backend, explicit = config.model.draft_path, config.model.backend, config.model.draft_head
     draft_model = load_model(draft_path, backend) if draft_path else None
     in_verify_lane = config.run.draft_in_verify_lane
-    _, here = split_by_lane(DRAFTERS, draft_model=bool(draft_path), in_verify_lane=in_verify_lane)
+    _, here = split_by_lane(draft_model=bool(draft_path), in_verify_lane=in_verify_lane)
     sources = lane_sources(here, target, draft_model, served, explicit)
     server = DraftServer(sources, target.cfg.vocab_size, lane, target.tokenizer)
     if target.tokenizer is not None:

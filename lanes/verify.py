@@ -17,7 +17,6 @@ from pathlib import Path
 import trio
 
 from lanes.lane import LaneContext, lane_main
-from pipeline.decoding.drafters.kinds import DRAFTERS
 from pipeline.decoding.drafters.registry import split_by_lane
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model import Runtime, load_model
@@ -129,7 +128,7 @@ def local_drafts(lane: LaneContext, model: Runtime, path: Path) -> DraftServer |
     """The drafters this lane runs itself (`run.draft_in_verify_lane`), beside the target."""
     config = lane.config
     here, _ = split_by_lane(
-        DRAFTERS, draft_model=bool(config.model.draft_path), in_verify_lane=config.run.draft_in_verify_lane
+        draft_model=bool(config.model.draft_path), in_verify_lane=config.run.draft_in_verify_lane
     )
     if not here:
         return None

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import msgspec
 from opentelemetry.sdk.metrics.export import MetricReader
 
-from pipeline.decoding.drafters.kinds import DRAFTERS
 from pipeline.decoding.drafters.registry import make_draft_sources, split_by_lane
 from pipeline.decoding.result import Result
 from pipeline.model import Runtime
@@ -125,9 +124,7 @@ class World:
     def new_core(self) -> VerifyCore:
         """As the verify lane builds it: with the drafters it runs itself (`run.draft_in_verify_lane`)."""
         verifier = Verifier(self.model, FakeLane(), self.config.run.prefill_chunk)
-        here, _ = split_by_lane(
-            DRAFTERS, draft_model=False, in_verify_lane=self.config.run.draft_in_verify_lane
-        )
+        here, _ = split_by_lane(draft_model=False, in_verify_lane=self.config.run.draft_in_verify_lane)
         sources = make_draft_sources(self.model, None, self.head, only=here)
         local = (
             DraftServer(sources, self.model.cfg.vocab_size, verifier.lane, self.model.tokenizer, counts=False)
@@ -144,9 +141,7 @@ class World:
     def new_draft_server(self) -> DraftServer:
         """As the draft lane builds it: with the drafters the verify lane leaves to it, and the target's
         tokenizer, for requests with a response_format."""
-        _, there = split_by_lane(
-            DRAFTERS, draft_model=False, in_verify_lane=self.config.run.draft_in_verify_lane
-        )
+        _, there = split_by_lane(draft_model=False, in_verify_lane=self.config.run.draft_in_verify_lane)
         sources = make_draft_sources(self.model, None, self.head, only=there)
         return DraftServer(sources, self.model.cfg.vocab_size, FakeLane(), self.model.tokenizer)
 

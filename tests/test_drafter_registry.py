@@ -212,8 +212,8 @@ def test_no_module_compares_a_name_with_model():
 
 @pytest.mark.parametrize("draft_model", [False, True], ids=["no-draft-model", "draft-model"])
 def test_drafters_that_run_no_draft_model_draft_in_the_verify_lane_unless_told_otherwise(draft_model):
-    here, there = split_by_lane(DRAFTERS, draft_model=draft_model, in_verify_lane=True)
+    here, there = split_by_lane(draft_model=draft_model, in_verify_lane=True)
     assert set(here) | set(there) == set(DRAFTERS) and not set(here) & set(there)
     assert "model" in there and {"none", "ngram", "suffix", "learned"} <= set(here)
     assert ("auto" in there) == draft_model  # with a draft model among its members, it drafts there
-    assert split_by_lane(DRAFTERS, draft_model=draft_model, in_verify_lane=False) == ([], list(DRAFTERS))
+    assert split_by_lane(draft_model=draft_model, in_verify_lane=False) == ([], list(DRAFTERS))

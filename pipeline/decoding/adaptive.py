@@ -18,7 +18,7 @@ length that pays (`budget`).
   with neighbours may only add rows while the forward stays within `NEIGHBOUR_SLOWDOWN` of the
   time it takes without any speculation (`RowCosts.row_budget`): its speculation must not make
   their steps slower. Where that leaves no room (`Controller.room`), no draft is asked for.
-- Asking: a free drafter's proposal is not free in the pipeline (a round trip to the draft lane
+- Asking: a free drafter's proposal is not free where it comes from the draft lane (a round trip
   while the forward waits), so whether to ask at all is judged by what asking steps gained against
   the rows and the wait they cost (`Asking`); the wait is charged there, not to the step overhead.
 While nothing pays it probes now and then (exponential back-off) so a change is noticed.
@@ -164,11 +164,12 @@ def node_probabilities(
 @dataclass
 class Asking:
     """Whether asking a free drafter (n-gram, suffix, `auto`) for a proposal pays for the wait. In
-    process a proposal takes microseconds; in the pipeline it is a round trip to the draft lane, a
-    millisecond or more in which a single stream's forward waits. A step that asks gains what the
-    cut kept and the target accepted, for the rows it verified and the wait; one that does not is a
-    plain step. While asking does not pay (open chat, where n-grams rarely match), steps go plain
-    without the trip, asking again now and then (exponential back-off) so a change is noticed."""
+    process, and in the verify lane, a proposal takes microseconds; from the draft lane
+    (`run.draft_in_verify_lane` false) it is a round trip, a millisecond or more in which a single
+    stream's forward waits. A step that asks gains what the cut kept and the target accepted, for the
+    rows it verified and the wait; one that does not is a plain step. While asking does not pay (open
+    chat, where n-grams rarely match), steps go plain without the trip, asking again now and then
+    (exponential back-off) so a change is noticed."""
 
     # Each a mean over the steps that asked, starting from a hopeful prior worth PRIOR_STEPS of them,
     # then an EWMA with a long memory: a drafter's hits come in clusters (a phrase repeated, a list's

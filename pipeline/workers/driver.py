@@ -145,9 +145,9 @@ class Driver:
         self.pending, self.deadline = None, math.inf
         if isinstance(msg, Opened | Verified) and msg.features is not None:
             self.features = kept_features(self.features, msg.features_at, msg.features)
-        if isinstance(msg, StepFailed) and msg.origin == "draft":
-            return self._verify_step(now)  # a drafter failed (reported where it ran): this step goes plain
         if isinstance(msg, StepFailed):
+            if msg.origin == "draft":  # a drafter failed (reported where it ran): this step goes plain
+                return self._verify_step(now)
             self.over = True
             return [Out("data", msg)]
         if isinstance(msg, Drafted):

@@ -50,7 +50,6 @@ class VerifyCore:
         assert model.tokenizer is not None
         self.verifier, self.lane, self.config, self.wall_offset = verifier, lane, config, wall_offset
         self.clock = clock
-        self.clock = clock
         self.tokenizer, self.context_length = model.tokenizer, model.cfg.context_length
         self.drivers: dict[str, Driver] = {}
         self.queued: list[Open | Verify | Close] = []  # for the verifier's next forward

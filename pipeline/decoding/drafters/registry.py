@@ -109,12 +109,10 @@ def make_draft_sources(
     }
 
 
-def split_by_lane(
-    names: list[str] | tuple[str, ...], *, draft_model: bool, in_verify_lane: bool
-) -> tuple[list[str], list[str]]:
+def split_by_lane(*, draft_model: bool, in_verify_lane: bool) -> tuple[list[str], list[str]]:
     """(the drafters the verify lane answers itself, those the draft lane serves). With
     `run.draft_in_verify_lane`, every drafter that runs no draft model drafts beside the target: its
     proposal is ready the moment a forward ends, with no round trip and no second process taking
     the forward's cores (docs/design.md, "Where drafts are made"). `draft_model`: one is configured."""
-    here = [n for n in names if in_verify_lane and not drafts_with_model(n, draft_model=draft_model)]
-    return here, [n for n in names if n not in here]
+    here = [n for n in DRAFTERS if in_verify_lane and not drafts_with_model(n, draft_model=draft_model)]
+    return here, [n for n in DRAFTERS if n not in here]
