@@ -3,6 +3,12 @@ three times (each time once its replacement is up). Nothing is lost or repeated,
 equals an undisturbed run token for token, and `audit verify` proves every request. The
 gateway's own death ends its streams with an error and frees their requests.
 
+Each kill lands inside the verify lane's run-ahead window: a chunk has just arrived, and the kill
+waits a quarter, a half, then three quarters of `run.report_interval_seconds` more, while the lane
+holds steps it decided and nobody has journaled or seen. The draft lane's round runs on a pipeline
+whose drafts all go through it (`run.draft_in_verify_lane=false`): with the default, the n-gram
+drafter drafts in the verify lane, and the draft lane's death would cost no stream anything.
+
 Each round prints the longest stall the clients saw after each kill (pytest -s shows them)."""
 
 from __future__ import annotations
@@ -59,10 +65,20 @@ def references(target) -> dict[str, Result]:
     }
 
 
+SETTINGS = ["restart.initial_backoff=0.1", "audit.resend_after=0.5", "timeouts.verify=3.0"]
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory):
-    settings = ["restart.initial_backoff=0.1", "audit.resend_after=0.5", "timeouts.verify=3.0"]
-    with running_pipeline(tmp_path_factory.mktemp("rounds"), settings) as p:
+    with running_pipeline(tmp_path_factory.mktemp("rounds"), SETTINGS) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def paced_pipeline(tmp_path_factory: pytest.TempPathFactory):
+    """Drafts through the draft lane, as with a draft model, for the draft lane's own round."""
+    settings = [*SETTINGS, "run.draft_in_verify_lane=false"]
+    with running_pipeline(tmp_path_factory.mktemp("paced_rounds"), settings) as p:
         yield p
 
 
@@ -97,8 +113,8 @@ class Streams:
 
 
 def kill_rounds(pipeline: Pipeline, streams: Streams, victim: str) -> tuple[list[float], list[int]]:
-    """Kill `victim` at a fifth of the way in, twice more once it is back: the stall after each
-    kill, and the pids killed."""
+    """Kill `victim` at a fifth of the way in, twice more once it is back, each time inside the
+    run-ahead window (`inside_run_ahead`): the stall after each kill, and the pids killed."""
     stalls, kills, last_pid = [], [], None
     for round_ in range(KILLS):
         while streams.emitted() < (round_ + 1) * CLIENTS * PARAMS.max_tokens // (KILLS + 2):
@@ -108,6 +124,7 @@ def kill_rounds(pipeline: Pipeline, streams: Streams, victim: str) -> tuple[list
             pipeline.wait_lane_up(victim, last_pid, timeout=60)
         last_pid = pipeline.lane(victim).pid
         assert last_pid is not None
+        inside_run_ahead(pipeline, streams, (round_ + 1) / (KILLS + 1))
         killed_at = time.monotonic()
         os.kill(last_pid, signal.SIGKILL)
         kills.append(last_pid)
@@ -117,8 +134,18 @@ def kill_rounds(pipeline: Pipeline, streams: Streams, victim: str) -> tuple[list
     return stalls, kills
 
 
+def inside_run_ahead(pipeline: Pipeline, streams: Streams, phase: float) -> None:
+    """Returns `phase` of a report interval after the next chunk arrives: the verify lane reports
+    its decided steps every interval, so it now holds some that no client has seen."""
+    seen = streams.last_chunk
+    while streams.last_chunk == seen and any(t.is_alive() for t in streams.threads):
+        time.sleep(0.001)
+    time.sleep(phase * pipeline.config.run.report_interval_seconds)
+
+
 @pytest.mark.parametrize("victim", ["verify", "draft", "audit", "orchestrator"])
-def test_eight_streams_lose_and_repeat_nothing_through_three_kills(pipeline, references, target, victim):
+def test_eight_streams_lose_and_repeat_nothing_through_three_kills(request, references, target, victim):
+    pipeline = request.getfixturevalue("paced_pipeline" if victim == "draft" else "pipeline")
     before = pipeline.lane(victim).restarts
     streams = Streams(pipeline)
     for thread in streams.threads:
@@ -133,6 +160,7 @@ def test_eight_streams_lose_and_repeat_nothing_through_three_kills(pipeline, ref
         assert [c.seq for c in chunks] == list(range(len(chunks)))
         assert [t for c in chunks for t in c.tokens] == want.tokens == streams.done[i].tokens
         assert "".join(c.text for c in chunks) == want.text
+    assert sum(result.stats.drafted for result in streams.done.values()) > 0  # the drafter's lane served
 
     def settled(report) -> bool:
         lane = next(x for x in report.lanes if x.name == victim)
