@@ -100,7 +100,8 @@ class Streams:
     def run(self, i: int) -> None:
         try:
             with self.pipeline.client(timeout=60) as client:
-                submitted = client.submit(PROMPTS[i % 4], chat=True, params=PARAMS, drafter="ngram")
+                # A fixed k: the controller prices drafts out of a batch of 8, and the rounds must draft.
+                submitted = client.submit(PROMPTS[i % 4], chat=True, params=PARAMS, drafter="ngram", k=4)
                 self.ids[i] = submitted.request_id
                 for item in client.chunks(submitted.request_id):
                     if isinstance(item, Result):
