@@ -186,14 +186,20 @@ class Tokenizer:
                 raise ValueError('each chat message must be an object {"role": str, "content": str}')
         if tools is not None and not self.renders_tools:
             raise ValueError("this model's chat template does not render tools")
-        template = _chat_environment().from_string(self.chat_template)
-        return template.render(
+        return self._chat_template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
             eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
             **({"tools": tools} if tools is not None else {}),
         )
+
+    @functools.cached_property
+    def _chat_template(self) -> jinja2.Template:
+        """Compiled once: compiling it cost every chat request 1.5 ms of the orchestrator's CPU before
+        its prefill could start, ten times the render. A compiled Jinja template renders safely from
+        several admission threads at once."""
+        return _chat_environment().from_string(self.chat_template)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
