@@ -178,6 +178,28 @@ def test_n_choices_opened_together_cost_one_prefill_and_one_row_each(native):
     assert sorted(s.attributes["speclanes.prefix_reused"] for s in spans) == [0, 36, 36, 36]
 
 
+def test_a_lone_prompt_is_fed_whole_and_one_beside_a_decoding_request_in_chunks(native, tmp_path):
+    """Chunks bound the delay a prompt costs the requests decoding beside it; with none there, the
+    prompt takes one forward (one pass over the weights), with the bits of a chunked prefill. The
+    numpy reference, which is not row-invariant, is always fed in chunks: its bits would otherwise
+    depend on who else was in the lane."""
+    first, second = list(range(100, 140)), list(range(150, 190))
+    model = Rows(native)
+    verifier, reference = lane(model, chunk=16), plain(native, chunk=16)
+    reference.row_invariant = False  # the reference feeds its prompts in chunks, as before
+    got = drain(verifier, opens(first, 1, prefix="a"))["a0"]
+    want = drain(reference, opens(first, 1, prefix="a"))["a0"]
+    assert model.forwards == [40] and (got.token, got.u) == (want.token, want.u)
+    same_state(verifier, reference, "a0")
+    drain(verifier, opens(second, 1, prefix="b"))  # "a0" is decoding: 16 rows a forward
+    assert model.forwards[1:] == [16, 16, 8]
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, SPECS["q4_1-gqa"])
+    numpy = Rows(load_model(path, "numpy"))
+    drain(lane(numpy, chunk=16), opens(first, 1, prefix="a"))
+    assert numpy.forwards == [16, 16, 8]
+
+
 def test_a_prompt_that_begins_like_a_live_request_copies_it(native):
     """A later request with the same system prompt and its own question: the system prompt is
     copied from the request still decoding, the question computed."""

@@ -71,8 +71,9 @@ class Run(Section):
     # clients then handle them between two forwards instead of stalling one. 0 on a machine with cores
     # to spare.
     report_pause_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.002
-    # Prompt rows per verify-lane forward; the rest waits for the next forward, so other requests'
-    # steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
+    # Prompt rows per verify-lane forward while other requests decode; the rest waits for the next
+    # forward, so their steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
+    # With none decoding, up to 512 rows (`Verifier.prefill_budget`).
     prefill_chunk: int = 128
     # The orchestrator's write-ahead journal: a restarted orchestrator resumes every request from it.
     journal: str = "{run_dir}/journal.sqlite"

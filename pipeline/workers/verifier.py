@@ -6,9 +6,10 @@ executed once; a repeat is answered from the reply cache.
 
 Prompts are prefilled in chunks of `run.prefill_chunk` rows that ride in the same forwards
 as the other requests' verify steps, so a long prompt delays each neighbour's step by one
-chunk at a time instead of by its whole prefill. The runtime's row invariance makes this
-free of consequences for the numbers: a position's logits are the same in a chunk, in a
-whole-prompt prefill or in a decode step. For the same reason a prompt that begins like
+chunk at a time instead of by its whole prefill (with no neighbour decoding, it is fed whole:
+`prefill_budget`). The runtime's row invariance makes this free of consequences for the
+numbers: a position's logits are the same in a chunk, in a whole-prompt prefill or in a
+decode step. For the same reason a prompt that begins like
 tokens a cache here already holds copies their K/V instead of computing them again
 (`prefix_reuse`: the n choices of one OpenAI request, a shared system prompt).
 
@@ -97,6 +98,9 @@ class Request:
     verified: list[int] | None = None
 
 
+ALONE_ROWS = 512  # prompt rows per forward while no request decodes here (`prefill_budget`)
+
+
 class Verifier:
     def __init__(
         self, model: Runtime, lane: LaneReporter, prefill_chunk: int = 128,
@@ -109,7 +113,8 @@ class Verifier:
         self.prefill_chunk = prefill_chunk or model.cfg.context_length  # 0: a whole prompt per forward
         self.requests: dict[str, Request] = {}
         self.prefilling: dict[str, Prefill] = {}  # oldest first: chunks are fed in arrival order
-        self.reuse = PrefixReuse(enabled=getattr(model, "row_invariant", False))
+        self.row_invariant: bool = getattr(model, "row_invariant", False)
+        self.reuse = PrefixReuse(enabled=self.row_invariant)
         self.spans = StepSpans(lane.telemetry)  # per-step telemetry, a span per run of steps
 
     def forget(self, request_id: str) -> None:
@@ -154,10 +159,20 @@ class Verifier:
         return None
 
     def prefill_chunks(self) -> list[tuple[Prefill, list[int]]]:
-        """This forward's share of the waiting prompts: at most `prefill_chunk` rows, oldest first,
+        """This forward's share of the waiting prompts: at most `prefill_budget()` rows, oldest first,
         each after copying what the caches here already hold of it."""
         holders = [Holder(r.target.context, r.target.cache) for r in self.requests.values()]
-        return self.reuse.chunks(list(self.prefilling.values()), holders, self.prefill_chunk)
+        return self.reuse.chunks(list(self.prefilling.values()), holders, self.prefill_budget())
+
+    def prefill_budget(self) -> int:
+        """`prefill_chunk` rows while requests decode here: each forward delays their steps. With
+        none decoding there is nobody to stall, so up to ALONE_ROWS: a 134-token prompt in one forward,
+        not 128 rows and then 6 (a second pass over every weight). Only on a row-invariant runtime,
+        where the chunking changes no bit; elsewhere the rows a forward holds must not depend on
+        which other requests happen to be here."""
+        if self.requests or not self.row_invariant:
+            return self.prefill_chunk
+        return max(self.prefill_chunk, ALONE_ROWS)
 
     def finish_prefill(self, job: Prefill, last_logits: np.ndarray) -> Opened:
         """The prompt is in: sample the first token (a re-prime, sample=False, samples none)."""
