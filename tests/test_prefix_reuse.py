@@ -52,7 +52,7 @@ class Rows:
     """The model, counting the rows each forward carries (the lane's only cost a copy saves)."""
 
     def __init__(self, model) -> None:
-        self.model, self.forwards = model, []
+        self.model, self.forwards, self.asked = model, [], []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -63,6 +63,7 @@ class Rows:
 
     def forward_features(self, batch, **kwargs):  # the verify lane's forwards
         self.forwards.append(sum(len(item[1]) for item in batch))
+        self.asked.append(kwargs.get("all_logits", True))
         return self.model.forward_features(batch, **kwargs)
 
 
@@ -191,8 +192,12 @@ def test_a_lone_prompt_is_fed_whole_and_one_beside_a_decoding_request_in_chunks(
     want = drain(reference, opens(first, 1, prefix="a"))["a0"]
     assert model.forwards == [40] and (got.token, got.u) == (want.token, want.u)
     same_state(verifier, reference, "a0")
-    drain(verifier, opens(second, 1, prefix="b"))  # "a0" is decoding: 16 rows a forward
-    assert model.forwards[1:] == [16, 16, 8]
+    step = Verify(request_id="a0", step=1, position=len(first), pending=got.token, drafts=[9, 10])
+    stepped = drain(verifier, [step, *opens(second, 1, prefix="b")])  # "a0" decodes: 16 rows a forward
+    assert model.forwards[1:] == [3 + 16, 16, 8]
+    # The LM head reads every row of a verify step, and only a prompt chunk's last.
+    assert model.asked == [[False], [True, False], [False], [False]]
+    assert stepped["a0"].tokens == drain(reference, [step])["a0"].tokens
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, SPECS["q4_1-gqa"])
     numpy = Rows(load_model(path, "numpy"))

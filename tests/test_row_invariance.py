@@ -127,6 +127,23 @@ def test_last_row_only_equals_that_row_of_all_rows(tiny):
     assert np.array_equal(last[0], full[-1])
 
 
+def test_each_sequence_gets_all_its_rows_logits_or_its_last_as_asked(tiny):
+    """A verify lane's forward: verify steps want every row's logits, prompt chunks the last only."""
+    model, _, _ = tiny
+    seqs = [list(range(3, 20)), list(range(30, 41)), [5, 6, 7]]
+    full, _ = model.forward_features([(model.new_cache(), s) for s in seqs], features=False)
+    mixed, found = model.forward_features(
+        [(model.new_cache(), s) for s in seqs], all_logits=[True, False, True], features=True
+    )
+    assert [len(x) for x in mixed] == [17, 1, 3] and [len(f) for f in found] == [17, 11, 3]
+    assert np.array_equal(mixed[0], full[0]) and np.array_equal(mixed[2], full[2])
+    assert np.array_equal(mixed[1][0], full[1][-1])
+    last, _ = model.forward_features(
+        [(model.new_cache(), s) for s in seqs], all_logits=[False] * 3, features=False
+    )
+    assert all(np.array_equal(x[0], f[-1]) for x, f in zip(last, full, strict=True))
+
+
 def test_rollback_then_refeed_gives_the_same_bits(tiny):
     model, _, _ = tiny
     tokens = list(range(5, 30))
@@ -178,8 +195,15 @@ FLAT = {
     ),  # Q5_0 too
     # Gemma 3 with a window of 8 in layers 0 and 2: speculation's rollbacks cross compacted buffers
     "GEMMA3": TinySpec(
-        seed=31, architecture="gemma3", quant="Q8_0", n_layers=4, n_heads=4, n_kv_heads=1, head_size=32,
-        sliding_window=8, swa_pattern=2,
+        seed=31,
+        architecture="gemma3",
+        quant="Q8_0",
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=1,
+        head_size=32,
+        sliding_window=8,
+        swa_pattern=2,
     ),
 }
 

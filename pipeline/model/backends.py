@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -43,7 +44,7 @@ class Runtime(Protocol):
     def forward(self, cache, tokens, *, all_logits: bool = True) -> np.ndarray: ...
     def forward_batch(self, batch, *, all_logits: bool = True) -> list[np.ndarray]: ...
     def forward_features(
-        self, batch, *, all_logits: bool = True, features: bool = True
+        self, batch, *, all_logits: bool | Sequence[bool] = True, features: bool = True
     ) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
     def describe(self) -> str: ...
 

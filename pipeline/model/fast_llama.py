@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.fast_products import NativeProducts
-from pipeline.model.llama import batch_parents, validate_batch
+from pipeline.model.llama import LogitRows, batch_parents, logit_rows, validate_batch
 from pipeline.model.native import MAX_PARTS, CAttend, CLayer, CMatrix, CPart, CScratch, CSequence, row_kernels
 from pipeline.model.native_weights import KINDS, NativeMatrix
 from pipeline.model.row_cache import RowCache, layer_slots
@@ -113,10 +113,11 @@ class FastModel:
         return self.forward_features(batch, all_logits=all_logits, features=False)[0]
 
     def forward_features(
-        self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True, features: bool = True,
+        self, batch: Sequence[tuple[Any, ...]], *, all_logits: LogitRows = True, features: bool = True,
         inputs: np.ndarray | None = None,
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
-        """`forward_batch`'s logits, and every row's feature: the final norm's output, which the LM
+        """`forward_batch`'s logits (`all_logits` per sequence: `llama.logit_rows`), and every row's
+        feature: the final norm's output, which the LM
         head reads and a learned drafter takes as input (none unless `features`). `inputs`: the rows
         the layers start from in place of the tokens' embeddings (a draft head's own input rows).
         A feature is computed per row like everything else here, so it is row-invariant too."""
@@ -136,14 +137,14 @@ class FastModel:
             self.forward_layers(x, seqs, spans)
         for (cache, _), t in zip(seqs, ids, strict=True):
             cache.length += t.size
-        every = features or all_logits
-        hidden = x if every else np.ascontiguousarray(x[spans[1:] - 1])
+        rows, cuts = logit_rows(spans, all_logits)
+        every = features or rows is None  # the final norm over every row, else over those read
+        hidden = x if every else np.ascontiguousarray(x[rows])
         normed = np.empty_like(hidden)
         norm = self.out_norm.ctypes.data
         lib.rms_norm_f32(hidden.ctypes.data, len(hidden), cfg.d_model, norm, eps, normed.ctypes.data)
-        read = normed if all_logits or not every else np.ascontiguousarray(normed[spans[1:] - 1])
+        read = normed if rows is None or not every else np.ascontiguousarray(normed[rows])
         logits = self.head_products.apply(self.head_products.prepare(read), self.head)
-        cuts = spans if all_logits else np.arange(len(batch) + 1)
         found = [normed[spans[i] : spans[i + 1]] for i in range(len(batch))] if features else []
         return [logits[cuts[i] : cuts[i + 1]] for i in range(len(batch))], found
 

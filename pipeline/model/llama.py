@@ -199,6 +199,24 @@ def batch_parents(batch: Sequence[tuple[Any, ...]], ids: list[np.ndarray]) -> li
     return shapes
 
 
+LogitRows = bool | Sequence[bool]  # all of a sequence's rows' logits (True), or its last row's only
+
+
+def logit_rows(spans: np.ndarray, all_logits: LogitRows) -> tuple[np.ndarray | None, np.ndarray]:
+    """The batch rows whose logits a forward computes (None: every row), and where each sequence's
+    begin among them. `all_logits` says, for every sequence or for each, whether it wants all its
+    rows' logits or its last row's only: a prompt chunk beside verify steps needs one row, not a
+    product of the whole vocabulary with each of its rows."""
+    n = len(spans) - 1
+    whole = [all_logits] * n if isinstance(all_logits, bool) else list(all_logits)
+    if len(whole) != n:
+        raise ValueError(f"all_logits names {len(whole)} sequences for a batch of {n}")
+    if all(whole):
+        return None, spans
+    rows = [np.arange(spans[i], spans[i + 1]) if whole[i] else spans[i + 1 : i + 2] - 1 for i in range(n)]
+    return np.concatenate(rows), np.cumsum([0, *(len(r) for r in rows)])
+
+
 def validate_batch(cfg: ModelConfig, batch: Sequence[tuple[Any, ...]]) -> list[np.ndarray]:
     """Each sequence's new tokens as int64 arrays, checked, with room reserved in its cache.
 
@@ -282,10 +300,10 @@ class Model:
         return self.forward_features(batch, all_logits=all_logits, features=False)[0]
 
     def forward_features(
-        self, batch: Sequence[tuple[Any, ...]], *, all_logits: bool = True, features: bool = True
+        self, batch: Sequence[tuple[Any, ...]], *, all_logits: LogitRows = True, features: bool = True
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """`forward_batch`'s logits, and every row's final-norm output when `features` (as the fast
-        runtime's `forward_features`)."""
+        """`forward_batch`'s logits (`all_logits` per sequence: `logit_rows`), and every row's
+        final-norm output when `features` (as the fast runtime's `forward_features`)."""
         cfg = self.cfg
         ids = validate_batch(cfg, batch)
         shapes = batch_parents(batch, ids)
@@ -319,13 +337,12 @@ class Model:
         for cache, t in zip(caches, ids, strict=True):
             cache.length += t.size
         every = rms_normalize(x, eps) * self.w["out_norm"] if features else None
-        rows = np.arange(x.shape[0]) if all_logits else spans[1:] - 1
+        picked, cuts = logit_rows(spans, all_logits)
+        rows = np.arange(x.shape[0]) if picked is None else picked
         hidden = every[rows] if every is not None else rms_normalize(x[rows], eps) * self.w["out_norm"]
         logits = linear_t(hidden, self.head)
         found = [] if every is None else [every[spans[i] : spans[i + 1]] for i in range(len(batch))]
-        if all_logits:
-            return [logits[spans[i] : spans[i + 1]] for i in range(len(batch))], found
-        return [logits[i : i + 1] for i in range(len(batch))], found
+        return [logits[cuts[i] : cuts[i + 1]] for i in range(len(batch))], found
 
     def _layer(
         self,

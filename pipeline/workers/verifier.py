@@ -258,8 +258,13 @@ class Verifier:
         ]
         work += [(job.target.cache, chunk, None) for job, chunk in chunks]
         want = any(r.target.keep_features for _, r in batch) or any(j.target.keep_features for j, _ in chunks)
+        # A prompt chunk needs its last row's logits only (the first token's, once the prompt is in),
+        # not the LM head over its every row. Row invariance makes that row's bits the same either
+        # way; the numpy reference, whose products sum in another order for another number of rows,
+        # still computes every row, as it always has here.
+        whole = [True] * len(batch) + [False] * len(chunks) if self.row_invariant else True
         try:  # every row's features when one request wants them (a copy of the final norm's rows)
-            all_logits, found = self.model.forward_features(work, features=want)
+            all_logits, found = self.model.forward_features(work, features=want, all_logits=whole)
         except Exception as exc:
             for msg, _ in batch:  # their caches may be half-written: a re-prime rebuilds them
                 self.forget(msg.request_id)
