@@ -239,6 +239,7 @@ class OrchestratorLane:
             return await self.tokenizer_call(msg)
         elif isinstance(msg, MetricsQuery):
             self.gauges = gauges_of(self.hub.status())  # exactly what `status` says now
+            self.hub.tracing.metrics.flush()  # and every step decided so far
             return MetricsReport(text=self.exposition.text(), content_type=CONTENT_TYPE)
         else:
             assert isinstance(msg, StatusQuery)
@@ -365,6 +366,7 @@ class OrchestratorLane:
                 nursery.start_soon(self.serve_client, nursery, clients, [0])
         finally:  # on the way out, what the last tick did not send (best effort: the journal keeps it)
             self.send_audit()
+            self.hub.tracing.metrics.flush()  # exported as the process ends (lane_main)
 
 
 def any_news(front: ClientFront, cursors: list[Cursor]) -> bool:

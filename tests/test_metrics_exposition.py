@@ -78,6 +78,7 @@ def scenario(model):
     world.run()
     results = [world.result(i) for i in ids]
     assert all(isinstance(r, Result) and r.error is None for r in results)
+    world.hub.tracing.metrics.flush()  # as the orchestrator does before it answers a MetricsQuery
     return world, results, samples(exposition.text())
 
 

@@ -297,7 +297,9 @@ class Hub:
         return sends
 
     def tick(self, now: float) -> list[Send]:
-        """Timeouts, abandoned requests, retention and audit resends; call it often (every ~50 ms)."""
+        """Timeouts, abandoned requests, retention, audit resends, and the step metrics the bursts held
+        (`PipelineMetrics.step`); call it often (every ~50 ms)."""
+        self.tracing.metrics.flush()
         sends: list[Send] = []
         for machine in self.closing.to_end(now, self.front.running()):  # journaled as finished
             sends += self._run(machine, machine.cancel(now, "server_shutdown"), now)
