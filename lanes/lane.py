@@ -32,6 +32,8 @@ from pipeline.protocol.transport import Outbox
 
 log = logging.getLogger(__name__)
 REPLY_BUFFER = 256  # replies a lane's data Outbox holds while its pipe writes the ones before
+STARTING_SECONDS = 2.0  # a new lane's beats come faster for this long (`LaneContext.beat`)
+STARTING_BEAT_SECONDS = 0.05
 
 
 class LaneContext:
@@ -82,13 +84,19 @@ class LaneContext:
 
     async def beat(self) -> None:
         """Heartbeats to the orchestrator, and a touch of this lane's alive file for the supervisor:
-        both come from the event loop, so a stopped or hung lane stops both."""
+        both come from the event loop, so a stopped or hung lane stops both. For its first
+        STARTING_SECONDS a lane beats every STARTING_BEAT_SECONDS: a beat counts only once both
+        sockets between the lane and the orchestrator are connected, which a new lane cannot see
+        from here, and a beat that came too early was one more `run.heartbeat_seconds` of a
+        restart's stall (its requests wait for the lane to be up)."""
         alive = self.config.restart.alive_path(self.config.run.dir, self.name)
+        every, started = self.config.run.heartbeat_seconds, trio.current_time()
         while True:
             self.heartbeat()
             with contextlib.suppress(OSError):
                 alive.touch()
-            await trio.sleep(self.config.run.heartbeat_seconds)
+            starting = trio.current_time() - started < STARTING_SECONDS
+            await trio.sleep(min(every, STARTING_BEAT_SECONDS) if starting else every)
 
 
 async def _watch_lifeline(cancel: trio.CancelScope) -> None:

@@ -33,7 +33,10 @@ T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
 RECHECK_SECONDS = 0.25  # the longest a message can wait behind a lost wakeup
-OPTIONS = {"reconnect_time_min": 100, "reconnect_time_max": 1000, "recv_max_size": MAX_MESSAGE_BYTES}
+# A dialer whose peer died tries again after 100 ms, doubling up to 250 ms: a restarted lane counts as
+# up only once the orchestrator's socket to it has reconnected, and a back-off up to 1 s held a
+# restart's requests that much longer. A failed dial is one refused connect.
+OPTIONS = {"reconnect_time_min": 100, "reconnect_time_max": 250, "recv_max_size": MAX_MESSAGE_BYTES}
 
 
 def _prepare(address: str) -> None:
