@@ -23,7 +23,7 @@ from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
-from pipeline.model import load_model
+from pipeline.model import draft_head, load_model
 from pipeline.model.draft_head import (
     find_head,
     head_for,
@@ -133,6 +133,28 @@ def test_a_head_file_round_trips_and_refuses_another_model(tiny, tmp_path):
     save_head(tmp_path / "broken.head.npz", {"fc": arrays["fc"]}, meta)
     with pytest.raises(ModelFileError, match="missing"):
         read_head(tmp_path / "broken.head.npz")
+
+
+def test_a_head_s_packed_matrices_are_made_once_then_read_back_and_rebuilt_when_damaged(
+    tiny, tmp_path, monkeypatch
+):
+    """Quantizing a head's matrices cost every lane's start: they are kept in the weight cache, and the
+    head read back from it drafts with the same bits as the one made from the file."""
+    model, path, built, root, _ = tiny
+    monkeypatch.setenv("SPECLANES_CACHE", str(tmp_path))
+    head_path, made = root / head_name(path), []
+    real = draft_head.pack_matrices
+    monkeypatch.setattr(draft_head, "pack_matrices", lambda *a: made.append(1) or real(*a))
+    first, again = (load_head(head_path, model.cfg, model.embed, path) for _ in range(2))
+    assert made == [1]
+    features = np.random.default_rng(3).standard_normal((3, model.cfg.d_model)).astype(np.float32)
+    steps = [head.step(head.new_cache(), [5, 6, 7], features) for head in (built, first, again)]
+    for got in steps[1:]:
+        assert all(np.array_equal(x, y) for x, y in zip(steps[0], got, strict=True))
+    (cached,) = tmp_path.glob("*-head-*")
+    (cached / "wo.npy").write_bytes(b"rot")
+    load_head(head_path, model.cfg, model.embed, path)
+    assert made == [1, 1]  # a damaged entry is made again from the file
 
 
 def test_a_trained_head_is_found_for_its_model_and_a_wrong_one_is_skipped(tiny, tmp_path, monkeypatch):

@@ -7,9 +7,10 @@ for position p + 1. That prediction times the target's own output rows for a red
 vocabulary (the few thousand tokens the target emits most, FR-Spec) gives the logits of the token
 at p + 2; the prediction is also the feature the next draft row reads.
 
-The head's weights are quantized to 5-bit blocks and its layer runs through the same C code as the
-target's (`FastModel.forward_features` with `inputs`), so a draft row costs about one target layer
-plus a product over the draft vocabulary. Its numbers change only which tokens are drafted, never
+The head's weights are quantized to 5-bit blocks (once per head file, then kept in the weight cache:
+`packed_matrices`) and its layer runs through the same C code as the target's
+(`FastModel.forward_features` with `inputs`), so a draft row costs about one target layer plus a
+product over the draft vocabulary. Its numbers change only which tokens are drafted, never
 the output: a drafted token is a point proposal, verified exactly.
 
 The file is an .npz of float16 weights plus a JSON record (`meta`): the target it was trained for
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +31,11 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.errors import ModelFileError
 from pipeline.model.fast_llama import FastModel, RowCache
 from pipeline.model.fast_products import NativeProducts
+from pipeline.model.fast_store import FORMAT_VERSION
 from pipeline.model.native import row_kernels
-from pipeline.model.native_weights import pack, quantize_blocks
-from pipeline.model.store import cache_root
+from pipeline.model.native_weights import NativeMatrix, pack, quantize_blocks
+from pipeline.model.sealed import seal_directory
+from pipeline.model.store import cache_root, form_directory, intact, publish
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,9 @@ SHIPPED = Path(__file__).parent / "heads"  # heads made by `speclanes drafter tr
 HEAD_SUFFIX = ".head.npz"
 MATRICES = ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 NORMS = ("attn_norm", "ffn_norm", "out_norm")
+LAYER_MATRICES = ("wqkv", "wo", "wgu", "wdown")  # as the kernels take them (`pack_matrices`)
+PACKED = ("fc", *LAYER_MATRICES, "head")
+PACKED_VERSION = 1  # the cached packed head's own layout, beside the tiles' (fast_store.FORMAT_VERSION)
 
 
 def embedding_digest(embed: np.ndarray) -> str:
@@ -98,30 +105,24 @@ class DraftHead:
     """The head ready to run: `step` feeds rows and returns predicted features and draft logits."""
 
     def __init__(self, arrays: dict[str, np.ndarray], meta: dict, cfg: ModelConfig, embed: np.ndarray,
-                 output_rows: np.ndarray, kind: str = WEIGHT_KIND) -> None:  # fmt: skip
-        """`output_rows`: the target's output matrix rows for the draft vocabulary, float32; `kind`:
-        the block type the weights are quantized to."""
-        f32 = {k: np.asarray(v, np.float32) for k, v in arrays.items() if k != "vocab"}
+                 packed: dict[str, NativeMatrix]) -> None:  # fmt: skip
+        """`packed`: the head's matrices as the kernels take them (`packed_matrices`)."""
+        f32 = {k: np.asarray(arrays[k], np.float32) for k in NORMS}
         self.vocab = np.asarray(arrays["vocab"], np.int64)
         self.meta, self.embed = meta, embed
-        self.cfg = head_config(cfg, int(f32["w_gate"].shape[0]))
-
-        def blocks(w: np.ndarray) -> list:
-            return [pack(quantize_blocks(w, kind), exact=False)]
-
+        self.cfg = head_config(cfg, int(arrays["w_gate"].shape[0]))
         layer = {
             "attn_norm": f32["attn_norm"], "ffn_norm": f32["ffn_norm"], "bqkv": None,
-            "wqkv": blocks(np.concatenate([f32["wq"], f32["wk"], f32["wv"]])), "wo": blocks(f32["wo"]),
-            "wgu": blocks(np.concatenate([f32["w_gate"], f32["w_up"]])), "wdown": blocks(f32["w_down"]),
+            **{name: [packed[name]] for name in LAYER_MATRICES},
         }  # fmt: skip
-        head = pack(quantize_blocks(np.ascontiguousarray(output_rows, np.float32), kind), exact=False)
         products = NativeProducts(row_kernels())
-        self.fc = blocks(f32["fc"])
+        self.fc = [packed["fc"]]
         self.products = products
-        nbytes = sum(m.data.nbytes for k in ("wqkv", "wo", "wgu", "wdown") for m in layer[k])
+        head, kind = packed["head"], packed["head"].kind
+        nbytes = sum(int(packed[name].data.nbytes) for name in PACKED)
         self.model = FastModel(
             self.cfg, [layer], f32["out_norm"], head, None, embed, None, products, kind.lower(),
-            "draft head", nbytes + head.data.nbytes + self.fc[0].data.nbytes,
+            "draft head", nbytes,
         )  # fmt: skip
 
     def new_cache(self, capacity: int = 256) -> RowCache:
@@ -164,8 +165,48 @@ def _checked(path: Path, cfg: ModelConfig, embed: np.ndarray) -> tuple[Path, dic
 def _built(
     checked: tuple[Path, dict, dict], cfg: ModelConfig, embed: np.ndarray, target_path: Path | None
 ) -> DraftHead:
-    _, arrays, meta = checked
-    return DraftHead(arrays, meta, cfg, embed, output_rows(target_path, cfg, embed, arrays["vocab"]))
+    path, arrays, meta = checked
+    return DraftHead(arrays, meta, cfg, embed, packed_matrices(path, arrays, cfg, embed, target_path))
+
+
+def pack_matrices(arrays: dict[str, np.ndarray], output: np.ndarray, kind: str) -> dict[str, NativeMatrix]:
+    """The head's matrices quantized to `kind` blocks and laid out in the kernels' tiles: `fc`, the
+    layer's (Q, K and V in one, gate and up in one) and the draft vocabulary's `output` rows."""
+    f32 = {k: np.asarray(v, np.float32) for k, v in arrays.items() if k != "vocab"}
+    joined = {
+        "fc": f32["fc"], "wqkv": np.concatenate([f32["wq"], f32["wk"], f32["wv"]]), "wo": f32["wo"],
+        "wgu": np.concatenate([f32["w_gate"], f32["w_up"]]), "wdown": f32["w_down"], "head": output,
+    }  # fmt: skip
+    return {
+        name: pack(quantize_blocks(np.ascontiguousarray(w, np.float32), kind), exact=False)
+        for name, w in joined.items()
+    }
+
+
+def packed_matrices(
+    path: Path, arrays: dict[str, np.ndarray], cfg: ModelConfig, embed: np.ndarray, target_path: Path | None,
+    kind: str = WEIGHT_KIND,
+) -> dict[str, NativeMatrix]:  # fmt: skip
+    """`pack_matrices` of the head file at `path`, made once and kept in the weight cache beside the
+    models' prepared forms (keyed by the head file's content; the file was checked against this
+    target, whose output rows it reads), then memory-mapped back: quantizing took 0.2-0.3 s of the
+    start of every lane that serves `learned`, and of its restart after a crash."""
+    directory = form_directory(path, f"head-{kind.lower()}-v{FORMAT_VERSION}.{PACKED_VERSION}")
+    if not intact(directory):
+        packed = pack_matrices(arrays, output_rows(target_path, cfg, embed, arrays["vocab"]), kind)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".head-", dir=directory.parent))
+        for name, matrix in packed.items():
+            np.save(staging / f"{name}.npy", np.ascontiguousarray(matrix.data))
+        shapes = {name: [m.kind, m.n_out, m.n_in, m.exact] for name, m in packed.items()}
+        (staging / "manifest.json").write_text(json.dumps(shapes))
+        seal_directory(staging)
+        publish(staging, directory)
+    shapes = json.loads((directory / "manifest.json").read_text())
+    return {
+        name: NativeMatrix(k, np.load(directory / f"{name}.npy", mmap_mode="r"), n_out, n_in, exact)
+        for name, (k, n_out, n_in, exact) in shapes.items()
+    }
 
 
 def trained_heads_directory() -> Path:
