@@ -189,7 +189,7 @@ def packed_matrices(
 ) -> dict[str, NativeMatrix]:  # fmt: skip
     """`pack_matrices` of the head file at `path`, made once and kept in the weight cache beside the
     models' prepared forms (keyed by the head file's content; the file was checked against this
-    target, whose output rows it reads), then memory-mapped back: quantizing took 0.2-0.3 s of the
+    target, whose output rows it reads), then memory-mapped back: quantizing took 0.3-0.4 s of the
     start of every lane that serves `learned`, and of its restart after a crash."""
     directory = form_directory(path, f"head-{kind.lower()}-v{FORMAT_VERSION}.{PACKED_VERSION}")
     if not intact(directory):

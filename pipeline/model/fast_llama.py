@@ -117,10 +117,10 @@ class FastModel:
         inputs: np.ndarray | None = None,
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
         """`forward_batch`'s logits (`all_logits` per sequence: `llama.logit_rows`), and every row's
-        feature: the final norm's output, which the LM
-        head reads and a learned drafter takes as input (none unless `features`). `inputs`: the rows
-        the layers start from in place of the tokens' embeddings (a draft head's own input rows).
-        A feature is computed per row like everything else here, so it is row-invariant too."""
+        feature: the final norm's output, which the LM head reads and a learned drafter takes as input
+        (none unless `features`). `inputs`: the rows the layers start from in place of the tokens'
+        embeddings (a draft head's own input rows). A feature is computed per row like everything
+        else here, so it is row-invariant too."""
         cfg, lib, eps = self.cfg, self.lib, self.cfg.rms_eps
         ids = validate_batch(cfg, batch)
         seqs = [(item[0], shape) for item, shape in zip(batch, batch_parents(batch, ids), strict=True)]

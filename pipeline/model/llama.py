@@ -204,7 +204,7 @@ LogitRows = bool | Sequence[bool]  # all of a sequence's rows' logits (True), or
 
 def logit_rows(spans: np.ndarray, all_logits: LogitRows) -> tuple[np.ndarray | None, np.ndarray]:
     """The batch rows whose logits a forward computes (None: every row), and where each sequence's
-    begin among them. `all_logits` says, for every sequence or for each, whether it wants all its
+    rows begin among them. `all_logits` says, for every sequence or for each, whether it wants all its
     rows' logits or its last row's only: a prompt chunk beside verify steps needs one row, not a
     product of the whole vocabulary with each of its rows."""
     n = len(spans) - 1

@@ -9,9 +9,9 @@ as the other requests' verify steps, so a long prompt delays each neighbour's st
 chunk at a time instead of by its whole prefill (with no neighbour decoding, it is fed whole:
 `prefill_budget`). The runtime's row invariance makes this free of consequences for the
 numbers: a position's logits are the same in a chunk, in a whole-prompt prefill or in a
-decode step. For the same reason a prompt that begins like
-tokens a cache here already holds copies their K/V instead of computing them again
-(`prefix_reuse`: the n choices of one OpenAI request, a shared system prompt).
+decode step. For the same reason a prompt that begins like tokens a cache here already holds
+copies their K/V instead of computing them again (`prefix_reuse`: the n choices of one OpenAI
+request, a shared system prompt).
 
 For a request whose drafter reads the target's features (`Open.features`: a learned drafter), the
 forwards also compute each row's feature, and the Opened and each Verified carry those of the
