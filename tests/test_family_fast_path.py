@@ -8,6 +8,7 @@ from another cache, as in one prefill; the local buffer stays bounded while it d
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -174,9 +175,10 @@ def test_tree_rows_and_a_kept_path_equal_the_chain(gemma, prefix_length, tree, d
     for start in range(0, prefix_length, 29):
         model.forward(cache, prefix[start : start + 29])
     logits = model.forward_batch([(cache, drafts, parents)])[0]
+    fed = model.new_cache()
+    model.forward(fed, prefix)
     for row in range(len(drafts)):
-        chain = model.new_cache()
-        model.forward(chain, prefix)
+        chain = copy.deepcopy(fed)  # a fresh cache fed the prefix, without feeding it again per row
         want = model.forward(chain, [drafts[r] for r in path(parents, row)])[-1]
         assert np.array_equal(logits[row], want), row
     kept = path(parents, data.draw(st.integers(0, len(drafts) - 1)))
