@@ -15,11 +15,13 @@ from typing import get_args
 
 import pytest
 import yaml
+from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.model import Model
+from pipeline.observability.metrics import PipelineMetrics
 from pipeline.observability.prometheus import PrometheusExposition
 from pipeline.observability.telemetry import TelemetryError, check
 from pipeline.orchestration.tracing import FAULT_LANES, OUTCOMES
@@ -183,6 +185,27 @@ def test_faults_restarts_and_lanes_agree_with_status(scenario):
     assert up == {lane.name: float(lane.state == "up") for lane in status.lanes}
     assert total(found, "speclanes_requests_active") == total(found, "speclanes_requests_queued") == 0
     assert total(found, "speclanes_audit_pending") == status.audit_pending == 0
+
+
+def test_steps_are_held_off_the_bursts_and_recorded_summed_by_drafter_at_a_flush():
+    """A step's figures wait in a list (`PipelineMetrics.step`) until a tick or a scrape flushes them."""
+    exposition = PrometheusExposition()
+    metrics = PipelineMetrics(MeterProvider(metric_readers=[exposition.reader]).get_meter("t"), "tiny")
+    for drafted, accepted in ((4, 3), (4, 1), (0, 0)):
+        metrics.step("ngram" if drafted else "none", drafted, accepted, 0.001 if drafted else 0.0, 0.005)
+    assert total(samples(exposition.text()), "speclanes_step_accepted_length_count") == 0
+    metrics.flush()
+    found = samples(exposition.text())
+    assert by_label(found, "speclanes_tokens_drafted_total", "speclanes_drafter") == {"ngram": 8, "none": 0}
+    assert by_label(found, "speclanes_tokens_accepted_total", "speclanes_drafter") == {"ngram": 4, "none": 0}
+    assert total(found, "speclanes_step_accepted_length_count") == 3
+    assert total(found, "speclanes_step_accepted_length_sum") == 4 + 2 + 1
+    assert by_label(found, "speclanes_step_duration_seconds_count", "speclanes_lane") == {
+        "draft": 2,
+        "verify": 3,
+    }
+    metrics.flush()  # nothing held: nothing counted twice
+    assert total(samples(exposition.text()), "speclanes_step_accepted_length_count") == 3
 
 
 def test_active_and_queued_are_what_status_shows_at_the_scrape(model):
