@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,11 +30,10 @@ from pipeline.model.config import ModelConfig
 from pipeline.model.errors import ModelFileError
 from pipeline.model.fast_llama import FastModel, RowCache
 from pipeline.model.fast_products import NativeProducts
-from pipeline.model.fast_store import FORMAT_VERSION
+from pipeline.model.fast_store import FORMAT_VERSION, stored_arrays
 from pipeline.model.native import row_kernels
 from pipeline.model.native_weights import NativeMatrix, pack, quantize_blocks
-from pipeline.model.sealed import seal_directory
-from pipeline.model.store import cache_root, form_directory, intact, publish
+from pipeline.model.store import cache_root, form_directory
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,7 @@ MATRICES = ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 NORMS = ("attn_norm", "ffn_norm", "out_norm")
 LAYER_MATRICES = ("wqkv", "wo", "wgu", "wdown")  # as the kernels take them (`pack_matrices`)
 PACKED = ("fc", *LAYER_MATRICES, "head")
-PACKED_VERSION = 1  # the cached packed head's own layout, beside the tiles' (fast_store.FORMAT_VERSION)
+PACKED_VERSION = 2  # the cached packed head's own layout, beside the tiles' (fast_store.FORMAT_VERSION)
 
 
 def embedding_digest(embed: np.ndarray) -> str:
@@ -192,20 +190,16 @@ def packed_matrices(
     target, whose output rows it reads), then memory-mapped back: quantizing took 0.3-0.4 s of the
     start of every lane that serves `learned`, and of its restart after a crash."""
     directory = form_directory(path, f"head-{kind.lower()}-v{FORMAT_VERSION}.{PACKED_VERSION}")
-    if not intact(directory):
+
+    def build() -> tuple[dict[str, np.ndarray], dict]:
         packed = pack_matrices(arrays, output_rows(target_path, cfg, embed, arrays["vocab"]), kind)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".head-", dir=directory.parent))
-        for name, matrix in packed.items():
-            np.save(staging / f"{name}.npy", np.ascontiguousarray(matrix.data))
         shapes = {name: [m.kind, m.n_out, m.n_in, m.exact] for name, m in packed.items()}
-        (staging / "manifest.json").write_text(json.dumps(shapes))
-        seal_directory(staging)
-        publish(staging, directory)
-    shapes = json.loads((directory / "manifest.json").read_text())
+        return {name: m.data for name, m in packed.items()}, {"shapes": shapes}
+
+    stored, manifest = stored_arrays(directory, build)
     return {
-        name: NativeMatrix(k, np.load(directory / f"{name}.npy", mmap_mode="r"), n_out, n_in, exact)
-        for name, (k, n_out, n_in, exact) in shapes.items()
+        name: NativeMatrix(k, stored[name], n_out, n_in, exact)
+        for name, (k, n_out, n_in, exact) in manifest["shapes"].items()
     }
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,20 +66,29 @@ def _native_arrays(blocks: FileBlocks) -> tuple[dict[str, np.ndarray], dict[str,
     return arrays, meta
 
 
-def load_native(path: Path) -> FastModel:
-    cfg, embed, tokenizer = load_front(path)
-    directory = form_directory(path, f"native-v{FORMAT_VERSION}")
+def stored_arrays(
+    directory: Path, build: Callable[[], tuple[dict[str, np.ndarray], dict[str, Any]]]
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The arrays kept at `directory` in the weight cache (one .npy each and a manifest, sealed),
+    memory-mapped, and the manifest. `build()` makes them, with the manifest's other entries, when
+    the directory is missing or damaged; a concurrent builder's copy is as good."""
     if not intact(directory):
-        arrays, meta = _native_arrays(read_file_blocks(path, cfg))
+        arrays, meta = build()
         directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".native-", dir=directory.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
         for key, array in arrays.items():
             np.save(staging / f"{key}.npy", np.ascontiguousarray(array))
         (staging / "manifest.json").write_text(json.dumps({**meta, "arrays": sorted(arrays)}))
         seal_directory(staging)
         publish(staging, directory)
     manifest = json.loads((directory / "manifest.json").read_text())
-    arrays = {key: np.load(directory / f"{key}.npy", mmap_mode="r") for key in manifest["arrays"]}
+    return {key: np.load(directory / f"{key}.npy", mmap_mode="r") for key in manifest["arrays"]}, manifest
+
+
+def load_native(path: Path) -> FastModel:
+    cfg, embed, tokenizer = load_front(path)
+    directory = form_directory(path, f"native-v{FORMAT_VERSION}")
+    arrays, manifest = stored_arrays(directory, lambda: _native_arrays(read_file_blocks(path, cfg)))
 
     def matrix(key: str) -> list[NativeMatrix]:
         return [NativeMatrix(kind, arrays[f"{key}.{index}"], n_out, n_in, exact)
