@@ -66,15 +66,15 @@ def request(url: str, body: dict, timeout: float) -> tuple[int, list, dict]:
 def fill(directory: Path) -> Path:
     filler = directory / "filler"
     try:
-        out = filler.open("wb")
+        out = filler.open("wb", buffering=0)
     except OSError as exc:  # once seen in a full CI run, not reproduced: say what took the room
         largest = sorted((p.stat().st_size, str(p)) for p in directory.rglob("*") if p.is_file())[-8:]
         message = f"the disk was full before the test filled it; largest files: {largest}"
         raise AssertionError(message) from exc
-    with out as f, contextlib.suppress(OSError):
+    # Unbuffered: a buffered file keeps what the disk refused and raises again when it is closed.
+    with out, contextlib.suppress(OSError):
         while True:
-            f.write(b"\0" * 65536)
-            f.flush()
+            out.write(b"\0" * 65536)
     return filler
 
 
