@@ -3,6 +3,13 @@ its verdicts against issue 25's targets."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from pipeline.bench.pipeline_bench import headline, inter_token_ms
@@ -38,3 +45,43 @@ def test_the_headline_holds_every_drafter_to_the_targets_and_auto_to_none():
                              {"none": 400.0, "auto": 380.0}))  # fmt: skip
     assert not missed["overhead_met"]  # auto counts too
     assert not missed["gateway_met"] and not missed["scaling_met"] and missed["auto_vs_none"] < 1.0
+
+
+BENCH_KILLED = """
+import sys, time
+from pipeline.bench.common import running_pipeline
+from pipeline.service.run_dir import running_supervisor
+from pathlib import Path
+with running_pipeline([]) as config:
+    print(running_supervisor(Path(config.run.dir)), flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_benchmark_sent_sigterm_stops_the_pipeline_it_started():
+    """`timeout` ends a benchmark with SIGTERM; its pipeline used to go on running, decoding beside
+    whatever was measured next."""
+    bench = subprocess.Popen([sys.executable, "-c", BENCH_KILLED], stdout=subprocess.PIPE, text=True)
+    supervisor = 0
+    try:
+        supervisor = int(bench.stdout.readline())
+        assert supervisor > 0 and alive(supervisor)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 143
+        deadline = time.monotonic() + 30
+        while alive(supervisor) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(supervisor)
+    finally:
+        bench.kill()
+        if supervisor > 0 and alive(supervisor):  # not left running when the test fails
+            os.kill(supervisor, signal.SIGINT)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")

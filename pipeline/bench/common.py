@@ -10,8 +10,10 @@ import contextlib
 import itertools
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,8 +85,27 @@ WORKLOADS = {
 
 
 @contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM as `SystemExit(143)` while inside, so the `finally` blocks that stop what a benchmark
+    started still run when it is killed (`timeout`, a CI job's end): by default SIGTERM ends the
+    process at once, and the pipeline it launched would go on running. Off the main thread, or
+    where a handler is already set, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> Iterator[Config]:
-    """A pipeline in a fresh temp run dir; SIGTERM to its supervisor on the way out, even on error.
+    """A pipeline in a fresh temp run dir; SIGTERM to its supervisor on the way out, even on error
+    or when this process is sent SIGTERM itself (`exit_on_sigterm`).
 
     The environment's SPECLANES_* settings are left out, so a user's configuration cannot make
     the pipeline and the in-process reference differ; `env` adds variables for the pipeline's
@@ -95,20 +116,21 @@ def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> 
     overrides = [f"run.dir={run_dir}", "gateway.enabled=false", *settings]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECLANES_")}, **(env or {})}
     ok = False
-    try:
-        proc, config = launch(overrides, env=env)
-    except BaseException:
-        progress("pipeline", f"left the failed pipeline's logs in {run_dir}")
-        raise
-    try:
-        yield config
-        ok = True
-    finally:
-        stop(proc)
-        if ok:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        else:
+    with exit_on_sigterm():
+        try:
+            proc, config = launch(overrides, env=env)
+        except BaseException:
             progress("pipeline", f"left the failed pipeline's logs in {run_dir}")
+            raise
+        try:
+            yield config
+            ok = True
+        finally:
+            stop(proc)
+            if ok:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:
+                progress("pipeline", f"left the failed pipeline's logs in {run_dir}")
 
 
 def settled_status(client: Client, config: Config):

@@ -25,9 +25,7 @@ import argparse
 import functools
 import json
 import os
-import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -523,7 +521,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     drafters, load_drafters = with_reference(args.drafters), with_reference(args.load_drafters)
     settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops our pipelines
     model = load_model(model_path(args.model), set_backend(args.set))
     stream_params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     port = http_clients.free_port()
