@@ -42,17 +42,17 @@ class CompositeDrafter:
         self.name, self.drafters = name, drafters
 
     def propose(self, context: Sequence[int], k: int, tree: bool = False, floor: float = 0.0) -> Proposal:
-        if tree and k > 0:
+        free = [d for d in self.drafters if hasattr(d, "candidates") and merged(d.name)] if tree else []
+        if free and k > 0:
             # Each drafter may drop candidates under its share of the floor, so the tree of those it
             # kept need only reach what the others' could have added to one node to go under it.
-            free = [d for d in self.drafters if hasattr(d, "candidates") and merged(d.name)]
-            share = floor / max(1, len(free))
+            share = floor / len(free)
             found = [c for d in free if (c := d.candidates(context, k, share))]
             if found:
                 left = floor - share * (len(free) - len(found))
                 return tree_proposal(self.name, prioritised(found), k, left)
         for drafter in self.drafters:
-            if tree and hasattr(drafter, "candidates") and merged(drafter.name):
+            if drafter in free:
                 continue  # asked above, with nothing to offer
             proposal = drafter.propose(context, k, tree and not merged(drafter.name))
             if proposal.tokens:
