@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench.pipeline_bench import headline, inter_token_ms
+from pipeline.bench.pipeline_bench import headline, inter_token_ms, render_auto_vs_none
 
 
 def test_inter_token_latency_is_the_median_and_the_99th_percentile_gap():
@@ -45,6 +45,12 @@ def test_the_headline_holds_every_drafter_to_the_targets_and_auto_to_none():
                              {"none": 400.0, "auto": 380.0}))  # fmt: skip
     assert not missed["overhead_met"]  # auto counts too
     assert not missed["gateway_met"] and not missed["scaling_met"] and missed["auto_vs_none"] < 1.0
+
+
+def test_auto_against_none_is_printed_precisely_enough_to_see_why_it_missed():
+    assert render_auto_vs_none({"auto_vs_none": 0.998}) == [
+        "auto / none at N clients: 0.998x (target >= 1.00x: NOT met)"
+    ]
 
 
 BENCH_KILLED = """
