@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from pipeline.bench.pipeline_bench import headline, inter_token_ms, render_auto_vs_none
+
+from .pipeline_harness import alive
 
 
 def test_inter_token_latency_is_the_median_and_the_99th_percentile_gap():
@@ -83,11 +84,3 @@ def test_a_benchmark_sent_sigterm_stops_the_pipeline_it_started():
         bench.kill()
         if supervisor > 0 and alive(supervisor):  # not left running when the test fails
             os.kill(supervisor, signal.SIGINT)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
