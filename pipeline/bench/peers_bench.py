@@ -29,7 +29,6 @@ import functools
 import importlib.util
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from pipeline.bench.common import (
     WORKLOADS,
     chat_prompt,
     cpu_seconds,
+    exit_on_sigterm,
     lane_pids,
     machine_busy_seconds,
     run_decode_rate,
@@ -688,7 +688,11 @@ def slot_tokens(model: Model, max_tokens: int) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops pipelines and servers
+    with exit_on_sigterm():  # so `finally` stops pipelines and servers when the bench is killed
+        return peers_run(args)
+
+
+def peers_run(args: argparse.Namespace) -> int:
     served = model_path(args.model)
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or 2)
     drafters = ["none", *(d for d in args.drafters.split(",") if d != "none")]
