@@ -58,6 +58,18 @@ def parent_pid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
+def wakeups(pids: dict[str, int]) -> dict[str, int]:
+    """Times each process's main thread went to sleep and was woken (voluntary context switches).
+    Why count them: on these VMs a wake-up of a sleeping Python event loop costs about 0.5 ms of CPU
+    before it does anything (cold caches; a bare `trio.sleep` loop pays it), so a helper's CPU is
+    mostly its wake-ups times that, whatever it then does."""
+    counts = {}
+    for name, pid in {**pids, "clients": os.getpid()}.items():
+        status = Path(f"/proc/{pid}/status").read_text()
+        counts[name] = int(status.partition("\nvoluntary_ctxt_switches:")[2].split()[0])
+    return counts
+
+
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """CPU seconds of each process between two snapshots, and of the machine's other work."""
     used = {name: after[name] - before[name] for name in after}
@@ -118,14 +130,16 @@ def one_stream(
 ) -> dict:
     """Streams at once (one, or a client each); CPU ms per token of each process (gross, and net of its
     idle rate), and tok/s with the load it ran under."""
-    before = cpu_snapshot(pids)
+    before, woken = cpu_snapshot(pids), wakeups(pids)
     outputs, seconds = streams(address, texts, tokens, http)
     used, count = spent(before, cpu_snapshot(pids)), tokens * len(texts) if http else sum(map(len, outputs))
+    woken = {name: n - woken[name] for name, n in wakeups(pids).items()}
     net = {k: max(0.0, v - idle.get(k, 0.0) * seconds) for k, v in used.items() if k != "others"}
     return {
         "tokens": count, "seconds": seconds, "tokens_per_second": count / seconds, "load": load_note(),
         "cpu_ms_per_token": {k: 1000.0 * v / count for k, v in used.items()},
         "net_cpu_ms_per_token": {k: 1000.0 * v / count for k, v in net.items()}, "output": outputs,
+        "wakeups_per_token": {k: v / count for k, v in woken.items()},
     }  # fmt: skip
 
 
@@ -139,6 +153,9 @@ def render(runs: list[dict], idle: dict[str, float]) -> str:
         rate = statistics.median(r["tokens_per_second"] for r in runs)
         cells = " ".join(f"{medians[p]:12.3f}" for p in PROCESSES)
         lines.append(f"{name:>13}: {cells}  {rate:6.1f}")
+    medians = {p: statistics.median(r["wakeups_per_token"].get(p, 0.0) for r in runs) for p in PROCESSES}
+    cells = " ".join(f"{medians[p]:12.3f}" if p in runs[0]["wakeups_per_token"] else f"{'':12}" for p in PROCESSES)
+    lines.append(f"{'wakeups/token':>13}: {cells}")
     cells = " ".join(f"{1000.0 * idle.get(p, 0.0):12.3f}" for p in PROCESSES)
     lines.append(f"{'idle ms/s':>13}: {cells}")
     return "\n".join(lines)
