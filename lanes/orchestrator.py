@@ -28,6 +28,7 @@ import pynng
 import trio
 
 from lanes.lane import LaneContext, lane_main
+from lanes.ticker import Ticker
 from pipeline.decoding.grammar.compiler import warm_up
 from pipeline.model.default import model_path
 from pipeline.model.draft_head import head_file
@@ -70,7 +71,10 @@ from pipeline.protocol.messages import (
 from pipeline.protocol.transport import Inbox, Outbox, listen
 
 log = logging.getLogger(__name__)
-TICK_SECONDS = 0.05
+# The tick (`Hub.tick`): at least this often, and with any wake-up at least RIDE_AFTER past the last one
+# (lanes/ticker.py); while steps flow, that is with each burst, every 50-60 ms.
+TICK_SECONDS = 0.1
+RIDE_AFTER_SECONDS = 0.04
 # Messages a lane's socket holds while its pipe writes the ones before: the verify lane decides steps in
 # bursts (several requests per forward, run-ahead caught up), and each is an audit event to send at once.
 SEND_BUFFER = 256
@@ -145,6 +149,7 @@ class OrchestratorLane:
         self.codec: Codec[Any] = Codec(ClientRequest)
         self.admitting = trio.CapacityLimiter(ADMITTING_THREADS)
         self.storage = StorageGuard(Path(config.run.journal).parent, config.storage.min_free_bytes)
+        self.ticker = Ticker(TICK_SECONDS, RIDE_AFTER_SECONDS, self.tick)
 
     def now(self) -> float:
         return trio.current_time()
@@ -204,23 +209,24 @@ class OrchestratorLane:
         async for msg in inbox:
             if self.reachable(msg):
                 self.guarded(handle, msg)
+            self.ticker.ride(self.now())
 
     async def receive_data(self, inbox: Inbox) -> None:
         """Decided steps in bursts: everything the inbox holds at once is journaled in one
         transaction (`Hub.on_burst`); then one StepsJournaled tells the verify lane how far the
-        journal has got and the polls waiting on it wake (its audit events go with the next tick)."""
+        journal has got and the polls waiting on it wake (its audit events go with the next tick,
+        which runs in this wake-up when it is nearly due: `Ticker.ride`)."""
         while True:
             self.guarded(self.hub.on_burst, [await inbox.next(), *inbox.ready()])
+            self.ticker.ride(self.now())
 
-    async def tick(self) -> None:
-        while True:
-            await trio.sleep(TICK_SECONDS)
-            self.guarded(self.hub.tick)
-            self.send_audit()
-            if failure := self.hub.journal.take_failure():
-                self.storage.failed(failure)
-            self.storage.check(self.now(), self.hub.journal.probe)
-            self.gauges = gauges_of(self.hub.status())
+    def tick(self) -> None:
+        self.guarded(self.hub.tick)
+        self.send_audit()
+        if failure := self.hub.journal.take_failure():
+            self.storage.failed(failure)
+        self.storage.check(self.now(), self.hub.journal.probe)
+        self.gauges = gauges_of(self.hub.status())
 
     async def answer(self, data: bytes) -> Message:
         try:
@@ -345,6 +351,7 @@ class OrchestratorLane:
                     log.exception("client request failed")
                     reply = ErrorReply(kind="internal", message=repr(exc))
                 await ctx.asend(encode(reply))
+                self.ticker.ride(self.now())
         finally:
             ctx.close()
 
@@ -362,7 +369,7 @@ class OrchestratorLane:
                 nursery.start_soon(self.receive_data, data)
                 nursery.start_soon(self.receive, control, hub.on_control)
                 nursery.start_soon(self.send_to_verify)
-                nursery.start_soon(self.tick)
+                nursery.start_soon(self.ticker.run)
                 nursery.start_soon(self.serve_client, nursery, clients, [0])
         finally:  # on the way out, what the last tick did not send (best effort: the journal keeps it)
             self.send_audit()
