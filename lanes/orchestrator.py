@@ -3,7 +3,7 @@
 Everything it receives (replies and acks on the data inbox, lane news on the control inbox,
 client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
 goes out on the lane's Push socket. Sends to the verify lane keep their order and never
-block the loop; audit events are held until the next tick and go as one AuditBatch, and one that
+block the loop; audit events are held for `audit.batch_seconds` and go as one AuditBatch, and one that
 cannot be handed over now is given back to the hub (its events are re-sent later). The verify lane drives the
 decode loops: this process journals, streams and audits the steps it decides, and tells it how far
 the journal has got. A Submit's prompt is tokenized in a worker thread (`Hub.admit`), so a long
@@ -143,7 +143,8 @@ class OrchestratorLane:
             for name in ("verify", "audit")
         }
         self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
-        self.audit_held: list[Send] = []  # audit events until the next tick sends them together
+        self.audit_held: list[Send] = []  # audit events until a tick sends them together (`send_audit`)
+        self.audit_sent = -math.inf  # when they last went
         self.queued_for_verify = 0
         self.wakeups = Wakeups()
         self.codec: Codec[Any] = Codec(ClientRequest)
@@ -157,7 +158,7 @@ class OrchestratorLane:
     def dispatch(self, sends: list[Send]) -> None:
         for send in sends:
             if send.lane == "audit":
-                self.audit_held.append(send)  # sent with the next tick's (`send_audit`)
+                self.audit_held.append(send)  # sent by a tick (`send_audit`)
                 continue
             if send.lane == "verify":
                 if self.queued_for_verify or not self.outboxes["verify"].put_nowait(send.message):  # type: ignore[arg-type]
@@ -168,11 +169,13 @@ class OrchestratorLane:
         self.hub.changed.clear()
 
     def send_audit(self) -> None:
-        """The audit events held since the last tick, as few AuditBatch messages. Why held: one message
-        a tick wakes the audit lane (and its commit, span and acknowledgement) 20 times a second at most,
-        where one a burst of steps woke it for every one or two tokens, on the forward's cores. They are
-        in the journal's outbox meanwhile, so a crash loses none. One the socket cannot take now is
-        given back to the hub, which sends its events again."""
+        """The audit events held since they last went, as few AuditBatch messages (a tick sends them
+        once `audit.batch_seconds` has passed). Why held: a message wakes the audit lane (and its
+        commit, span and acknowledgement, which wakes this loop again) on the forward's cores; one a
+        burst of steps woke it for every one or two tokens. They are in the journal's outbox meanwhile,
+        so a crash loses none. One the socket cannot take now is given back to the hub, which sends its
+        events again."""
+        self.audit_sent = self.now()
         held, self.audit_held = batched(self.audit_held), []
         for send in held:
             data = send.message if isinstance(send.message, bytes) else encode(send.message)
@@ -222,7 +225,8 @@ class OrchestratorLane:
 
     def tick(self) -> None:
         self.guarded(self.hub.tick)
-        self.send_audit()
+        if self.now() >= self.audit_sent + self.config.audit.batch_seconds:
+            self.send_audit()
         if failure := self.hub.journal.take_failure():
             self.storage.failed(failure)
         self.storage.check(self.now(), self.hub.journal.probe)

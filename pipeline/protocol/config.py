@@ -168,10 +168,11 @@ class Audit(Section):
     # Events the audit lane has not acknowledged yet, at most; past it new requests are refused
     # ("overloaded") until it catches up. Nothing is dropped: the running requests' events wait.
     max_pending: int = 20000
-    # Events arriving within this long of the first one are written in one transaction (one fsync)
-    # and acknowledged together; 0 writes whatever is queued at once. Nothing waits on it but the
-    # acknowledgement: the orchestrator keeps every event until then. Each write costs the lane a
-    # commit, a span per request and an AuditAck, CPU taken from the forward on a small machine.
+    # The orchestrator holds the events it records this long and sends them as one batch, which the
+    # audit lane writes in one transaction (one fsync) and acknowledges together; 0: with every tick
+    # of the orchestrator. Nothing waits on it but the acknowledgement: the orchestrator keeps every
+    # event until then. Each write costs the lane a commit, a span per request and an AuditAck, and
+    # both processes a wake-up: CPU taken from the forward on a small machine.
     batch_seconds: float = 0.1
 
     def __post_init__(self) -> None:
