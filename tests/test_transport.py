@@ -47,3 +47,76 @@ def test_a_message_whose_wakeup_is_lost_is_still_received(tmp_path, monkeypatch:
         push.close()
         pull.close()
     assert RECHECK_SECONDS <= 0.5  # a lost wakeup costs a message at most this long
+
+
+def test_a_request_goes_without_pynng_s_async_send_when_the_pipe_takes_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`send_request` hands a request the pipe can take at once to nng directly: an async send's
+    completion would wake the event loop once more for every poll."""
+    address = f"ipc://{tmp_path}/client"
+    rep, req = listen(pynng.Rep0, address), dial(pynng.Req0, address)
+
+    async def no_async_send(self: pynng.Context, data: bytes) -> None:
+        raise AssertionError("the async send was used")
+
+    try:
+        deadline = time.monotonic() + 5
+        while not req.pipes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(pynng.Context, "asend", no_async_send)
+
+        async def main() -> bytes:
+            async def answer() -> None:
+                ctx = rep.new_context()
+                request = await ctx.arecv()
+                monkeypatch.undo()  # the reply: a Rep context's, sent as the orchestrator does
+                await ctx.asend(b"reply to " + request)
+                ctx.close()
+
+            with trio.fail_after(5):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(answer)
+                    ctx = req.new_context()
+                    await transport.send_request(ctx, b"poll")
+                    reply = await ctx.arecv()
+                    ctx.close()
+                    return reply
+
+        assert trio.run(main) == b"reply to poll"
+    finally:
+        req.close()
+        rep.close()
+
+
+def test_a_request_with_no_server_yet_waits_for_one_in_the_async_send(tmp_path) -> None:
+    """A pipe that cannot take the message now (no server listens yet) leaves it to the async send,
+    which hands it over once one does; nothing is lost."""
+    address = f"ipc://{tmp_path}/client"
+    req = dial(pynng.Req0, address)
+    rep: list[pynng.Socket] = []
+
+    async def main() -> bytes:
+        async def serve_later() -> None:
+            await trio.sleep(0.3)
+            rep.append(listen(pynng.Rep0, address))
+            ctx = rep[0].new_context()
+            await ctx.asend(b"reply to " + await ctx.arecv())
+            ctx.close()
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve_later)
+                ctx = req.new_context()
+                assert not transport._request_now(ctx, b"probe")  # nobody to take it yet
+                await transport.send_request(ctx, b"poll")
+                reply = await ctx.arecv()
+                ctx.close()
+                return reply
+
+    try:
+        assert trio.run(main) == b"reply to poll"
+    finally:
+        req.close()
+        for sock in rep:
+            sock.close()

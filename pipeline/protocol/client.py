@@ -55,6 +55,7 @@ from pipeline.protocol.messages import (
     encode,
 )
 from pipeline.protocol.tls import socket_options
+from pipeline.protocol.transport import send_request
 
 
 class PipelineError(RuntimeError):
@@ -279,7 +280,7 @@ class AsyncClient(Endpoint):
             ctx = self.sock.new_context()
             try:
                 with trio.fail_after(max(deadline - trio.current_time(), 0.0)):
-                    await ctx.asend(data)
+                    await send_request(ctx, data)
                     reply = await ctx.arecv()
                 return _unwrap(reply)
             except (*NETWORK_ERRORS, trio.TooSlowError) as exc:
