@@ -14,8 +14,9 @@ this process as the client, and the machine's other work).
 Heartbeats, ticks and polls cost CPU by the second whether tokens flow or not, so on a busy machine
 (fewer tokens a second) the gross figure grows; `net` first measures each process idle for
 `--idle-seconds` and takes that rate times the stream's duration off, leaving what the tokens cost.
-`--http PORT` streams through the HTTP gateway instead (chat completions as Server-Sent Events, read
-with httpx; the gateway serves on PORT and its CPU is counted too). Run from the repository's root:
+Beside the CPU, each process's wake-ups a token (`wakeups`). `--http PORT` streams through the HTTP
+gateway instead (chat completions as Server-Sent Events, read with httpx; the gateway serves on PORT
+and its CPU is counted too). Run from the repository's root:
 
     .venv/bin/python ops/bench/lane_cpu.py [--tokens 1000] [--repeats 3] [--clients 1] [--http PORT]
         [--set K=V] [--json]
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -59,14 +61,15 @@ def parent_pid(pid: int) -> int:
 
 
 def wakeups(pids: dict[str, int]) -> dict[str, int]:
-    """Times each process's main thread went to sleep and was woken (voluntary context switches).
-    Why count them: on these VMs a wake-up of a sleeping Python event loop costs about 0.5 ms of CPU
-    before it does anything (cold caches; a bare `trio.sleep` loop pays it), so a helper's CPU is
-    mostly its wake-ups times that, whatever it then does."""
+    """Times each process's main thread went to sleep and was woken (voluntary context switches),
+    and this process's threads (the clients, which stream from threads of their own). Why count them:
+    on these VMs a wake-up of a sleeping event loop costs about 0.5 ms of CPU before it does anything
+    (`wake_cost.py`), so a helper's CPU is mostly its wake-ups times that, whatever it then does."""
     counts = {}
-    for name, pid in {**pids, "clients": os.getpid()}.items():
+    for name, pid in pids.items():
         status = Path(f"/proc/{pid}/status").read_text()
         counts[name] = int(status.partition("\nvoluntary_ctxt_switches:")[2].split()[0])
+    counts["clients"] = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw  # every thread, ended ones too
     return counts
 
 
@@ -153,8 +156,9 @@ def render(runs: list[dict], idle: dict[str, float]) -> str:
         rate = statistics.median(r["tokens_per_second"] for r in runs)
         cells = " ".join(f"{medians[p]:12.3f}" for p in PROCESSES)
         lines.append(f"{name:>13}: {cells}  {rate:6.1f}")
-    medians = {p: statistics.median(r["wakeups_per_token"].get(p, 0.0) for r in runs) for p in PROCESSES}
-    cells = " ".join(f"{medians[p]:12.3f}" if p in runs[0]["wakeups_per_token"] else f"{'':12}" for p in PROCESSES)
+    counted = runs[0]["wakeups_per_token"]  # the lanes, the supervisor and the clients: no `others`
+    woken = {p: statistics.median(r["wakeups_per_token"][p] for r in runs) for p in counted}
+    cells = " ".join(f"{woken[p]:12.3f}" if p in woken else f"{'':12}" for p in PROCESSES)
     lines.append(f"{'wakeups/token':>13}: {cells}")
     cells = " ".join(f"{1000.0 * idle.get(p, 0.0):12.3f}" for p in PROCESSES)
     lines.append(f"{'idle ms/s':>13}: {cells}")

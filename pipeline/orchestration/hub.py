@@ -298,7 +298,7 @@ class Hub:
 
     def tick(self, now: float) -> list[Send]:
         """Timeouts, abandoned requests, retention, audit resends, and the step metrics the bursts held
-        (`PipelineMetrics.step`); call it often (every ~50 ms)."""
+        (`PipelineMetrics.step`); call it often (every 40-100 ms: lanes/ticker.py)."""
         self.tracing.metrics.flush()
         sends: list[Send] = []
         for machine in self.closing.to_end(now, self.front.running()):  # journaled as finished
