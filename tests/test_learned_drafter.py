@@ -80,10 +80,13 @@ def test_output_equals_plain_decoding(tiny, prompt, temperature, seed, drafter):
 
 
 def test_the_head_drafts_and_is_accepted_on_its_training_distribution(tiny):
+    """Three draft nodes a step, not the controller's choice: the controller prices rows from a
+    t(rows) curve it measures on the clock, and under another test worker's load that curve can
+    make every draft look too dear (seen once in CI: 0 drafted)."""
     model, _, head, _, _ = tiny
     prompt = chat_prompt(model, prompts("train")[0])
     params = SamplingParams(max_tokens=24)
-    result = decode(model, prompt, params, LearnedSource(head))
+    result = decode(model, prompt, params, LearnedSource(head), k=3)
     assert result.tokens == decode(model, prompt, params, NoDraftSource()).tokens
     assert result.stats.drafted > 0 and result.stats.accepted > 0
 
