@@ -257,9 +257,11 @@ class Hub:
     def journaled_steps(self, force: bool = False) -> Send | None:
         """What the verify lane must hear of the journal: each request's last journaled step since it
         was last told. Not after every burst: only once some request's journal is half its run-ahead
-        past what the lane last heard (or a first step), or when `force`d (every tick). A driver holds
-        only `run.run_ahead` steps past what it heard, so it never waits on this, and a burst of one
-        or two steps costs both processes a message less."""
+        past what the lane last heard (or a first step), or when `force`d (every tick). A burst of one
+        or two steps then costs both processes a message less. A driver goes only `run.run_ahead` steps
+        past what it heard: where that many steps take less than a report interval, it stops there for
+        this message at each report, in place of the report pause (docs/benchmarks.md, "A longer
+        run-ahead")."""
         if not self.journaled:
             return None
         half = max(1, self.config.run.run_ahead // 2)
