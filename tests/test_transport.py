@@ -13,6 +13,13 @@ from pipeline.protocol import transport
 from pipeline.protocol.transport import RECHECK_SECONDS, dial, listen, receive
 
 
+def wait_connected(dialer: pynng.Socket) -> None:
+    """Until the dialer's background connect has made a pipe (at most 5 s)."""
+    deadline = time.monotonic() + 5
+    while not dialer.pipes and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_message_whose_wakeup_is_lost_is_still_received(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The receiver is already waiting when the message comes, and the descriptor never turns
     readable (a lost wakeup): it must still get the message, within the recheck interval."""
@@ -26,9 +33,7 @@ def test_a_message_whose_wakeup_is_lost_is_still_received(tmp_path, monkeypatch:
 
     monkeypatch.setattr(transport.trio.lowlevel, "wait_readable", never_readable)
     try:
-        deadline = time.monotonic() + 5
-        while not push.pipes and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_connected(push)
 
         async def main() -> bytes:
             async def send_later() -> None:
@@ -61,9 +66,7 @@ def test_a_request_goes_without_pynng_s_async_send_when_the_pipe_takes_it(
         raise AssertionError("the async send was used")
 
     try:
-        deadline = time.monotonic() + 5
-        while not req.pipes and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_connected(req)
         monkeypatch.setattr(pynng.Context, "asend", no_async_send)
 
         async def main() -> bytes:
