@@ -11,6 +11,8 @@ import trio
 
 from lanes.lane import LaneContext, lane_main
 from pipeline.api.server import Gateway, exception_leaves, hypercorn_config
+from pipeline.protocol.messages import GatewayInbox
+from pipeline.protocol.transport import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -19,11 +21,16 @@ async def serve(lane: LaneContext) -> None:
     """Up (its heartbeats) only once hypercorn listens: it runs the app's lifespan first, and a
     heartbeat sent meanwhile told clients to connect to a port that refused them."""
     lane.serving = False
-    gateway = Gateway(lane.config, lane.state, lane.telemetry)  # HTTP server spans: api/http_spans.py
-    log.info("serving model %s over HTTP; orchestrator at %s", gateway.model, lane.config.addresses.client)
-    settings = hypercorn_config(lane.config)
+    config = lane.config
+    gateway = Gateway(config, lane.state, lane.telemetry)  # HTTP server spans: api/http_spans.py
+    log.info("serving model %s over HTTP; orchestrator at %s", gateway.model, config.addresses.client)
+    settings = hypercorn_config(config)
+    # Streams' chunks arrive pushed onto the gateway's inbox, not polled for (protocol/push_feed.py).
+    inbox: Inbox = Inbox(config.bind("gateway"), GatewayInbox, config.tls, config.admission.max_message_bytes)
+    feed = gateway.client.receive_pushes(inbox)
     try:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed.run)
             await nursery.start(functools.partial(hypercorn.trio.serve, gateway.app(), settings))
             lane.serving = True
             lane.heartbeat()
@@ -33,6 +40,7 @@ async def serve(lane: LaneContext) -> None:
         raise SystemExit(1) from None
     finally:
         gateway.client.close()
+        inbox.close()
 
 
 def main() -> None:

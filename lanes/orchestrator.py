@@ -7,7 +7,8 @@ block the loop; audit events are held for `audit.batch_seconds` and go as one Au
 cannot be handed over now is given back to the hub (its events are re-sent later). The verify lane drives the
 decode loops: this process journals, streams and audits the steps it decides, and tells it how far
 the journal has got. A Submit's prompt is tokenized in a worker thread (`Hub.admit`), so a long
-prompt delays only its own request, never the loop; so are `Tokenize` and `Detokenize`. A
+prompt delays only its own request, never the loop; so are `Tokenize` and `Detokenize`. Clients read
+their chunks through `ClientStreams` (lanes/client_streams.py): long polls, or pushes to the gateway. A
 `MetricsQuery` is answered with the Prometheus text of this process's instruments
 (observability/prometheus.py). The state-like ones (requests decoding and queued, lanes)
 read `gauges`, a snapshot the loop takes every tick and before each MetricsQuery: the OTLP exporter
@@ -27,6 +28,7 @@ import msgspec
 import pynng
 import trio
 
+from lanes.client_streams import ClientStreams
 from lanes.lane import LaneContext, lane_main
 from lanes.ticker import Ticker
 from pipeline.decoding.grammar.compiler import warm_up
@@ -36,7 +38,6 @@ from pipeline.model.store import load_front
 from pipeline.observability.metrics import PipelineMetrics
 from pipeline.observability.prometheus import CONTENT_TYPE, PrometheusExposition
 from pipeline.orchestration.effects import Send, batched
-from pipeline.orchestration.front import ClientFront, unknown
 from pipeline.orchestration.hub import Hub
 from pipeline.orchestration.journal import open_journal
 from pipeline.orchestration.lane_table import LANES, LaneTable
@@ -47,11 +48,9 @@ from pipeline.protocol.config import PREDECESSOR
 from pipeline.protocol.messages import (
     BadMessage,
     Cancel,
-    Chunks,
     ClientRequest,
     Codec,
     ControlInbox,
-    Cursor,
     DataInbox,
     Detokenize,
     ErrorReply,
@@ -65,7 +64,6 @@ from pipeline.protocol.messages import (
     Submit,
     Tokenize,
     Watch,
-    Watched,
     encode,
 )  # fmt: skip
 from pipeline.protocol.transport import Inbox, Outbox, listen
@@ -81,58 +79,6 @@ SEND_BUFFER = 256
 ADMITTING_THREADS = 2  # prompts tokenized at once; more Submits wait their turn (memory stays bounded)
 
 
-class Wakeups:
-    """What wakes the long polls: a poll (`Poll`) or a watch (`Watch`, many requests at once) waits
-    on an event filed under each request it asks about; `dispatch` sets those of the requests with
-    news. A newer Watch of the same watcher sets the older one's, which then answers at once. The check
-    for news and the filing happen with no checkpoint between them, so no wake-up falls in between."""
-
-    def __init__(self) -> None:
-        self.events: dict[str, set[trio.Event]] = {}
-        self.watches: dict[str, tuple[object, trio.Event | None]] = {}  # watcher -> its newest watch
-
-    def wake(self, request_ids: set[str]) -> None:
-        for request_id in request_ids:
-            for event in self.events.pop(request_id, ()):
-                event.set()
-
-    def supersede(self, watcher: str) -> object:
-        """A new watch of `watcher`: the older one still waiting ends now. Its token."""
-        if not watcher:
-            return None
-        if (older := self.watches.get(watcher)) is not None and older[1] is not None:
-            older[1].set()
-        token = object()
-        self.watches[watcher] = (token, None)
-        return token
-
-    def current(self, watcher: str, token: object) -> bool:
-        return not watcher or self.watches.get(watcher, (None,))[0] is token
-
-    def done(self, watcher: str, token: object) -> None:
-        if watcher and self.current(watcher, token):
-            del self.watches[watcher]
-
-    async def until(
-        self, request_ids: list[str], ready: Any, watcher: str = "", token: object = None
-    ) -> None:
-        """Until `ready()`, or a newer watch of `watcher` than `token`'s (the caller bounds it in time)."""
-        while not ready() and self.current(watcher, token):
-            event = trio.Event()
-            for request_id in request_ids:
-                self.events.setdefault(request_id, set()).add(event)
-            if watcher:
-                self.watches[watcher] = (token, event)
-            try:
-                await event.wait()
-            finally:
-                for request_id in request_ids:
-                    if (events := self.events.get(request_id)) is not None:
-                        events.discard(event)
-                        if not events:
-                            del self.events[request_id]
-
-
 class OrchestratorLane:
     def __init__(self, hub: Hub, lane: LaneContext, exposition: PrometheusExposition) -> None:
         config = lane.config
@@ -142,11 +88,14 @@ class OrchestratorLane:
             name: Outbox(getattr(config.addresses, name), config.tls, buffer=SEND_BUFFER)
             for name in ("verify", "audit")
         }
+        # The gateway's inbox only where a gateway runs: a dialer to no one retries forever.
+        gateway = "gateway" in config.processes()
+        pushes = Outbox(config.addresses.gateway, config.tls, buffer=SEND_BUFFER) if gateway else None
+        self.streams = ClientStreams(hub.front, pushes, config.timeouts.poll_wait_max)
         self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
         self.audit_held: list[Send] = []  # audit events until a tick sends them together (`send_audit`)
         self.audit_sent = -math.inf  # when they last went
         self.queued_for_verify = 0
-        self.wakeups = Wakeups()
         self.codec: Codec[Any] = Codec(ClientRequest)
         self.admitting = trio.CapacityLimiter(ADMITTING_THREADS)
         self.storage = StorageGuard(Path(config.run.journal).parent, config.storage.min_free_bytes)
@@ -165,7 +114,7 @@ class OrchestratorLane:
                     self.queued_for_verify += 1
                     self.verify_queue.send_nowait(send)
                 continue
-        self.wakeups.wake(self.hub.changed)
+        self.streams.news(self.hub.changed)
         self.hub.changed.clear()
 
     def send_audit(self) -> None:
@@ -242,9 +191,9 @@ class OrchestratorLane:
         if isinstance(msg, Cancel):
             reply, sends = self.hub.cancel(msg.request_id, msg.secret, self.now())
         elif isinstance(msg, Poll):
-            return await self.poll(msg)
+            return await self.streams.poll(msg)
         elif isinstance(msg, Watch):
-            return await self.watch(msg)
+            return await self.streams.watch(msg)
         elif isinstance(msg, Tokenize | Detokenize):
             return await self.tokenizer_call(msg)
         elif isinstance(msg, MetricsQuery):
@@ -287,57 +236,6 @@ class OrchestratorLane:
         self.dispatch(sends)
         return reply
 
-    def poll_wait(self, kind: str, wait: float) -> float | ErrorReply:
-        """A long poll's wait, bounded to [0, timeouts.poll_wait_max]. NaN is a bad request: trio
-        refuses a NaN timeout, which was an "internal" error (test_hostile)."""
-        if math.isnan(wait):
-            return ErrorReply(kind="bad_request", message=f"{kind}.wait must be a number of seconds, got NaN")
-        return min(max(wait, 0.0), self.config.timeouts.poll_wait_max)
-
-    async def poll(self, msg: Poll) -> Message:
-        front, request_id = self.hub.front, msg.request_id
-        if front.owned(request_id, msg.secret) is None:
-            return unknown(request_id)
-        wait = self.poll_wait("Poll", msg.wait)
-        if isinstance(wait, ErrorReply):
-            return wait
-        front.poll_begins(request_id)
-        try:
-            with trio.move_on_after(wait):
-                await self.wakeups.until([request_id], lambda: front.has_news(request_id, msg.after))
-        finally:
-            front.poll_ends(request_id, self.now())
-        return front.chunks(request_id, msg.after, msg.secret)
-
-    async def watch(self, msg: Watch) -> Message:
-        """Every stream of a watcher (the gateway) in one long poll: the reply carries the news of all
-        that have some, so N streams cost one round trip per burst of steps, not N."""
-        front = self.hub.front
-        wait = self.poll_wait("Watch", msg.wait)
-        if isinstance(wait, ErrorReply):
-            return wait
-        cursors = [c for c in msg.cursors if front.owned(c.request_id, c.secret) is not None]
-        ids = [c.request_id for c in cursors]
-        token = self.wakeups.supersede(msg.watcher)
-        if len(cursors) == len(msg.cursors):  # an unknown stream is news: answered at once
-            for request_id in ids:
-                front.poll_begins(request_id)
-            try:
-                with trio.move_on_after(wait):
-                    ready = functools.partial(any_news, front, cursors)
-                    await self.wakeups.until(ids, ready, msg.watcher, token)
-            finally:
-                for request_id in ids:
-                    front.poll_ends(request_id, self.now())
-        self.wakeups.done(msg.watcher, token)
-        news: list[Chunks] = []
-        unknown_ids: list[str] = []
-        for c in msg.cursors:
-            if front.has_news(c.request_id, c.after):  # so has one unknown (or forgotten since): an error
-                reply = front.chunks(c.request_id, c.after, c.secret)
-                news.append(reply) if isinstance(reply, Chunks) else unknown_ids.append(c.request_id)
-        return Watched(streams=news, unknown=unknown_ids)
-
     async def serve_client(self, nursery: trio.Nursery, sock: pynng.Socket, idle: list[int]) -> None:
         """One Rep context; starts another when it is the last idle one, so long polls never
         starve new clients."""
@@ -378,10 +276,6 @@ class OrchestratorLane:
         finally:  # on the way out, what the last tick did not send (best effort: the journal keeps it)
             self.send_audit()
             self.hub.tracing.metrics.flush()  # exported as the process ends (lane_main)
-
-
-def any_news(front: ClientFront, cursors: list[Cursor]) -> bool:
-    return any(front.has_news(c.request_id, c.after) for c in cursors)
 
 
 async def serve(lane: LaneContext, exposition: PrometheusExposition) -> None:

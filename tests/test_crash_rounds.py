@@ -241,9 +241,9 @@ def test_a_dead_gateway_ends_its_streams_with_an_error_and_frees_their_requests(
 
 
 def test_gateway_streams_repeat_and_lose_nothing_when_the_orchestrator_dies(pipeline, references):
-    """SSE streams through the gateway (its one long poll for all of them, `Watch`) while the
-    orchestrator is SIGKILLed: the watch is retried across the restart, and every stream's text is
-    the undisturbed run's, each token once."""
+    """SSE streams through the gateway (their chunks pushed onto its inbox, subscribed by one `Watch`)
+    while the orchestrator is SIGKILLed: the closed pipe and the retried watch subscribe them again
+    with the new one, and every stream's text is the undisturbed run's, each token once."""
     pipeline.wait_lane_up("gateway", None, timeout=60)
     pipeline.wait_lane_up("orchestrator", None, timeout=60)
     streams = 4

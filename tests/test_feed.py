@@ -1,5 +1,5 @@
 """One long poll for all of a client's streams (pipeline/protocol/feed.py) against a stand-in for the
-orchestrator that waits with the orchestrator's own `Wakeups` (lanes/orchestrator.py): every stream
+orchestrator that waits with the orchestrator's own `Wakeups` (lanes/client_streams.py): every stream
 gets its chunks once and in order, N streams cost one watch per burst, a stream that joins is not
 held up behind a watch that does not ask about it, a slow reader is held to a bound and gets the rest
 coalesced, and errors end the streams they concern."""
@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from lanes.orchestrator import Wakeups
+from lanes.client_streams import Wakeups
 from pipeline.decoding.result import Result
 from pipeline.protocol.client import PipelineError
 from pipeline.protocol.feed import MAX_HELD, Feed, merged

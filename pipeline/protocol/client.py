@@ -54,6 +54,7 @@ from pipeline.protocol.messages import (
     Watched,
     encode,
 )
+from pipeline.protocol.push_feed import PushFeed, Receiver
 from pipeline.protocol.tls import socket_options
 from pipeline.protocol.transport import send_request
 
@@ -314,8 +315,15 @@ class AsyncClient(Endpoint):
                 return
 
     @functools.cached_property
-    def feed(self) -> Feed:
+    def feed(self) -> Feed | PushFeed:
+        """What `stream` reads: one long poll for all streams, or pushes once `receive_pushes` said so."""
         return Feed(self._watch, PipelineError)
+
+    def receive_pushes(self, inbox: Receiver) -> PushFeed:
+        """From now on `stream` reads the chunks the orchestrator pushes onto `inbox` (the gateway's:
+        protocol/push_feed.py). The caller runs the returned feed's `run` task."""
+        feed = self.__dict__["feed"] = PushFeed(self._watch, PipelineError, inbox)
+        return feed
 
     async def _watch(self, watch: Watch, wait: float) -> Watched:
         return await self.call(watch, retry=True, timeout=self.timeout + wait)

@@ -112,6 +112,7 @@ class Addresses(Section):
     verify: str = "ipc://{run_dir}/verify.ipc"
     draft: str = "ipc://{run_dir}/draft.ipc"
     audit: str = "ipc://{run_dir}/audit.ipc"
+    gateway: str = "ipc://{run_dir}/gateway.ipc"
 
 
 # Optional bind addresses when they differ from what peers dial (tcp://0.0.0.0:PORT): one per

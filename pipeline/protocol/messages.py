@@ -10,6 +10,7 @@ Inside the verify lane, its driver and its verifier exchange Verify, Opened and 
 - orchestrator control inbox: Fault, LaneUp, LaneDown, LaneFailed, Heartbeat, Shutdown
 - orchestrator client socket (req/rep): Submit, Poll, Watch, Cancel, StatusQuery, MetricsQuery, Tokenize,
   Detokenize -> Submitted, Chunks, Watched, ErrorReply, StatusReport, MetricsReport, Tokens, Text
+- gateway inbox: Pushed (from the orchestrator: the chunks of the streams a `Watch` with `push` asked for)
 
 Work messages carry (request_id, step) so a repeat is recognised and answered from a cache
 rather than executed twice, and a W3C trace context so spans parent across processes.
@@ -450,6 +451,10 @@ class Watch(Message, frozen=True, kw_only=True):
     watcher: str
     cursors: list[Cursor]
     wait: float = 1.0
+    # The watcher reads the gateway inbox (addresses.gateway): the orchestrator pushes these streams'
+    # chunks there as they are decided (`Pushed`), and answers this watch with news only when the inbox
+    # refused one. It answers it empty after `wait`, or when a newer watch supersedes it.
+    push: bool = False
 
 
 class Cancel(Message, frozen=True, kw_only=True):
@@ -484,6 +489,15 @@ class Chunks(Message, frozen=True, kw_only=True):
 class ErrorReply(Message, frozen=True, kw_only=True):
     kind: str
     message: str
+
+
+class Pushed(Message, frozen=True, kw_only=True):
+    """One stream's chunks after `after`, pushed to the watcher that asked (`Watch.push`). `after` lets
+    the watcher see a gap (a push lost with a pipe): it watches again from where it really is."""
+
+    watcher: str
+    after: int
+    chunks: Chunks
 
 
 class Watched(Message, frozen=True, kw_only=True):
@@ -558,6 +572,7 @@ AuditLaneInbox = AuditInbox | AuditBatch  # what the audit lane's socket takes (
 DataInbox = Decided | StepFailed | Reported | AuditAck
 ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
 ClientRequest = Submit | Poll | Watch | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize
+GatewayInbox = Pushed
 ClientReply = Submitted | Chunks | Watched | ErrorReply | StatusReport | MetricsReport | Tokens | Text
 
 T = TypeVar("T")

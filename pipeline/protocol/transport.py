@@ -16,8 +16,9 @@ clients, whose polls are idempotent.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -142,8 +143,10 @@ class Inbox(Generic[T]):
     """A listening Pull socket that yields decoded messages, or BadMessage for garbage
     (so the owner reports it and carries on: bad bytes never end a loop)."""
 
-    def __init__(self, address: str, union: object, tls: Tls | None = None) -> None:
-        self.sock = listen(pynng.Pull0, address, tls)
+    def __init__(
+        self, address: str, union: object, tls: Tls | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES
+    ) -> None:
+        self.sock = listen(pynng.Pull0, address, tls, max_message_bytes)
         self.codec: Codec[T] = Codec(union)
 
     def decode(self, data: bytes) -> T | BadMessage:
@@ -165,6 +168,17 @@ class Inbox(Generic[T]):
     async def __aiter__(self) -> AsyncIterator[T | BadMessage]:
         while True:
             yield await self.next()
+
+    def on_pipe_closed(self, callback: Callable[[], object]) -> None:
+        """`callback()` in this trio run's thread whenever a sender's pipe closes: whatever was in
+        flight on it is lost (nng calls the hook from its own thread)."""
+        token = trio.lowlevel.current_trio_token()
+
+        def closed(_pipe: pynng.Pipe) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(callback)
+
+        self.sock.add_post_pipe_remove_cb(closed)
 
     def close(self) -> None:
         self.sock.close()
