@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from pipeline.orchestration.front import ClientFront, unknown
-from pipeline.orchestration.pushes import Pushes
+from pipeline.orchestration.pushes import Pushes, parts
 from pipeline.protocol.messages import Chunks, Cursor, ErrorReply, Message, Poll, Watch, Watched
 from pipeline.protocol.transport import Outbox
 
@@ -75,9 +75,13 @@ class Wakeups:
 
 
 class ClientStreams:
-    def __init__(self, front: ClientFront, gateway: Outbox | None, poll_wait_max: float) -> None:
-        """`gateway`: the gateway's inbox, or None where no gateway runs (a push watch is then plain)."""
+    def __init__(
+        self, front: ClientFront, gateway: Outbox | None, poll_wait_max: float, max_message_bytes: int
+    ) -> None:
+        """`gateway`: the gateway's inbox, or None where no gateway runs (a push watch is then plain);
+        it takes messages of up to `max_message_bytes`."""
         self.front, self.gateway, self.poll_wait_max = front, gateway, poll_wait_max
+        self.max_message_bytes = max_message_bytes
         self.wakeups = Wakeups()
         self.pushes = Pushes()  # the gateway's streams (`Watch.push`)
 
@@ -88,16 +92,18 @@ class ClientStreams:
         self.wakeups.wake(request_ids)
 
     def push(self, request_ids: Iterable[str]) -> None:
-        """The news of the gateway's subscribed streams among `request_ids`, onto its inbox, without
-        waiting. The first it refuses blocks pushing until the gateway watches again; its watch, woken
-        with the others, answers with the news meanwhile (orchestration/pushes.py)."""
+        """The news of the gateway's subscribed streams among `request_ids`, onto its inbox in one
+        message (or a few, by size), without waiting. The first it refuses blocks pushing until the
+        gateway watches again; its watch, woken with the others, answers with the news meanwhile
+        (orchestration/pushes.py)."""
         if self.gateway is None or self.pushes.blocked:
             return
-        for message in self.pushes.news(self.front, request_ids):
-            if not self.gateway.put_nowait(message):
+        streams = self.pushes.news(self.front, request_ids)
+        for part, data in parts(self.pushes.watcher, streams, self.max_message_bytes) if streams else ():
+            if not self.gateway.put_bytes_nowait(data):
                 self.pushes.blocked = True
                 return
-            self.pushes.pushed(message)
+            self.pushes.pushed(part)
 
     def poll_wait(self, kind: str, wait: float) -> float | ErrorReply:
         """A long poll's wait, bounded to [0, timeouts.poll_wait_max]. NaN is a bad request: trio

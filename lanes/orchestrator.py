@@ -91,7 +91,8 @@ class OrchestratorLane:
         # The gateway's inbox only where a gateway runs: a dialer to no one retries forever.
         gateway = "gateway" in config.processes()
         pushes = Outbox(config.addresses.gateway, config.tls, buffer=SEND_BUFFER) if gateway else None
-        self.streams = ClientStreams(hub.front, pushes, config.timeouts.poll_wait_max)
+        limits = (config.timeouts.poll_wait_max, config.admission.max_message_bytes)
+        self.streams = ClientStreams(hub.front, pushes, *limits)
         self.verify_queue, self.verify_backlog = trio.open_memory_channel[Send](math.inf)
         self.audit_held: list[Send] = []  # audit events until a tick sends them together (`send_audit`)
         self.audit_sent = -math.inf  # when they last went

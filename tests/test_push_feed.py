@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import Any
 
 import hypothesis.strategies as st
 import msgspec
@@ -19,9 +20,21 @@ from hypothesis import given, settings
 from lanes.client_streams import ClientStreams
 from pipeline.decoding.result import Result
 from pipeline.orchestration.front import unknown
+from pipeline.orchestration.pushes import parts
 from pipeline.protocol.client import PipelineError
 from pipeline.protocol.feed import MAX_HELD
-from pipeline.protocol.messages import BadMessage, Chunk, Chunks, ErrorReply, Pushed, Watch, Watched
+from pipeline.protocol.messages import (
+    BadMessage,
+    Chunk,
+    Chunks,
+    Codec,
+    ErrorReply,
+    GatewayInbox,
+    Pushed,
+    PushedStream,
+    Watch,
+    Watched,
+)
 from pipeline.protocol.push_feed import PushFeed
 
 
@@ -68,6 +81,8 @@ class Inbox:
         self.arrived = trio.Event()
         self.held, self.refuse, self.repeat = False, False, False
         self.closed: list[Callable[[], object]] = []
+        self.codec: Codec[Pushed] = Codec(GatewayInbox)
+        self.sizes: list[int] = []  # of each message taken
 
     def on_pipe_closed(self, callback: Callable[[], object]) -> None:
         self.closed.append(callback)
@@ -82,9 +97,11 @@ class Inbox:
         self.held = False
         self.arrived.set()
 
-    def put_nowait(self, message: Pushed) -> bool:
+    def put_bytes_nowait(self, data: bytes) -> bool:
         if self.refuse:
             return False
+        message = self.codec.decode(data)
+        self.sizes.append(len(data))
         self.queue.extend([message, message] if self.repeat else [message])
         self.arrived.set()
         return True
@@ -103,9 +120,10 @@ class Inbox:
 
 
 class Orchestrator:
-    def __init__(self) -> None:
+    def __init__(self, max_message_bytes: int = 1 << 20) -> None:
         self.front, self.inbox = Front(), Inbox()
-        self.streams = ClientStreams(self.front, self.inbox, poll_wait_max=100.0)  # type: ignore[arg-type]
+        inbox: Any = self.inbox
+        self.streams = ClientStreams(self.front, inbox, 100.0, max_message_bytes)
         self.watches: list[Watch] = []
         self.fail: PipelineError | None = None
 
@@ -291,12 +309,13 @@ def test_errors_end_the_streams_they_concern():
             st.integers(1, 4),
         ),
         max_size=40,
-    )
+    ),
+    st.sampled_from([250, 1 << 20]),
 )
-def test_whatever_the_inbox_does_each_reader_gets_every_chunk_once_in_order(ops):
+def test_whatever_the_inbox_does_each_reader_gets_every_chunk_once_in_order(ops, max_message_bytes):
     """Random steps of three requests; pushes held in flight, lost with a pipe, refused or repeated;
-    readers joining late."""
-    orchestrator, got = Orchestrator(), {}
+    readers joining late; messages small enough to be split or not."""
+    orchestrator, got = Orchestrator(max_message_bytes), {}
     ids = ["r0", "r1", "r2"]
 
     async def main() -> None:
@@ -335,3 +354,39 @@ def test_whatever_the_inbox_does_each_reader_gets_every_chunk_once_in_order(ops)
     for request_id in ids:
         assert texts(got[request_id]) == expected(request_id, len(orchestrator.front.decided[request_id]))
         assert got[request_id][-1] == orchestrator.front.results[request_id]
+
+
+@st.composite
+def pushed_streams(draw: st.DrawFn) -> list[PushedStream]:
+    streams = []
+    for i in range(draw(st.integers(1, 4))):
+        after, count = draw(st.integers(-1, 5)), draw(st.integers(0, 12))
+        chunks = [Chunk(after + 1 + n, "x" * draw(st.integers(0, 40)), [n]) for n in range(count)]
+        done = result(f"q{i}", after + 1 + count) if draw(st.booleans()) or not chunks else None
+        streams.append(PushedStream(after, Chunks(request_id=f"q{i}", chunks=chunks, done=done)))
+    return streams
+
+
+@settings(max_examples=200, deadline=None)
+@given(pushed_streams(), st.integers(100, 1500))
+def test_pushes_are_split_to_fit_and_carry_every_chunk_once_in_order(streams, limit):
+    """orchestration/pushes.py `parts`: each message fits, unless it is one chunk or one end; each part
+    of a stream follows the one before it; together they carry every chunk once, and the end last."""
+    codec: Codec[Pushed] = Codec(GatewayInbox)
+    carried: dict[str, list[Chunk]] = {}
+    after = {p.chunks.request_id: p.after for p in streams}
+    ended: dict[str, Result] = {}
+    for part, data in parts("w", streams, limit):
+        assert codec.decode(data) == Pushed(watcher="w", streams=part)
+        lone = len(part) == 1 and len(part[0].chunks.chunks) + (part[0].chunks.done is not None) <= 1
+        assert len(data) <= limit or lone
+        for pushed in part:
+            request_id = pushed.chunks.request_id
+            assert request_id not in ended and pushed.after == after[request_id]
+            carried.setdefault(request_id, []).extend(pushed.chunks.chunks)
+            after[request_id] = pushed.chunks.chunks[-1].seq if pushed.chunks.chunks else pushed.after
+            if pushed.chunks.done is not None:
+                ended[request_id] = pushed.chunks.done
+    for pushed in streams:
+        assert carried.get(pushed.chunks.request_id, []) == pushed.chunks.chunks
+        assert ended.get(pushed.chunks.request_id) == pushed.chunks.done

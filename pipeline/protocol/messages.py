@@ -491,13 +491,20 @@ class ErrorReply(Message, frozen=True, kw_only=True):
     message: str
 
 
-class Pushed(Message, frozen=True, kw_only=True):
-    """One stream's chunks after `after`, pushed to the watcher that asked (`Watch.push`). `after` lets
-    the watcher see a gap (a push lost with a pipe): it watches again from where it really is."""
+class PushedStream(msgspec.Struct, frozen=True, array_like=True):
+    """One stream's chunks after `after`. `after` lets the watcher see a gap (a push lost with a pipe):
+    it watches again from where it really is."""
 
-    watcher: str
     after: int
     chunks: Chunks
+
+
+class Pushed(Message, frozen=True, kw_only=True):
+    """The news of the streams a watch subscribed (`Watch.push`), pushed to its watcher: as many
+    streams as a burst of decided steps gave news, in one message (one wake-up of the gateway)."""
+
+    watcher: str
+    streams: list[PushedStream]
 
 
 class Watched(Message, frozen=True, kw_only=True):

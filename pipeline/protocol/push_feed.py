@@ -131,15 +131,16 @@ class PushFeed:
                     self.accept(message)
 
     def accept(self, message: Pushed) -> None:
-        """A push into every stream of its request that follows on from it."""
+        """Each pushed stream into every stream of its request that follows on from it."""
+        pushed = {p.chunks.request_id: p for p in message.streams}
         touched = {}
         for key, stream in self.streams.items():
-            if stream.request_id != message.chunks.request_id or stream.done or stream.error:
+            if (push := pushed.get(stream.request_id)) is None or stream.done or stream.error:
                 continue
-            if not stream.wants() or message.after > stream.after:
+            if not stream.wants() or push.after > stream.after:
                 self.renew()  # full (leave it out of the watch), or a push was lost: watch from its cursor
                 continue
-            fresh, stream.after, done = continuation(message.chunks, stream.after)
+            fresh, stream.after, done = continuation(push.chunks, stream.after)
             stream.held += fresh
             stream.done = done or stream.done
             touched[key] = stream
