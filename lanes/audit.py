@@ -91,7 +91,7 @@ async def serve(lane: LaneContext) -> None:
     config = lane.config
     store = AuditStore(config.audit.path)
     inbox: Inbox = Inbox(config.bind("audit"), AuditLaneInbox, config.tls)
-    acks = lane.replies()
+    acks = lane.control  # the orchestrator reads them at its ticks: an acknowledgement is never urgent
     lane.heartbeat()
     prune_at = retain(store, lane)
     # At most what the orchestrator keeps unacknowledged, so never more than it would re-send.

@@ -41,7 +41,8 @@ class LaneContext:
         self.name, self.config, self.pid = name, config, os.getpid()
         self.state = SpeculativeState()
         self.runtime: dict[str, Any] = {}  # set by a lane that holds a model (see model.backends)
-        self.control = Outbox(config.addresses.control, config.tls)
+        # Buffered: a fault sent without waiting must not fail behind an audit acknowledgement.
+        self.control = Outbox(config.addresses.control, config.tls, buffer=REPLY_BUFFER)
         self.telemetry = telemetry
         self.data: Outbox | None = None  # to the orchestrator's data inbox, for lanes that reply
         # False while the lane cannot serve yet (the gateway before its HTTP socket listens): it sends no

@@ -1,7 +1,7 @@
 """The orchestrator lane: sockets and timers around the I/O-free `Hub` (pipeline/orchestration).
 
-Everything it receives (replies and acks on the data inbox, lane news on the control inbox,
-client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
+Everything it receives (decided steps on the data inbox, lane news, faults and audit acknowledgements
+on the control inbox, which each tick drains, client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
 goes out on the lane's Push socket. Sends to the verify lane keep their order and never
 block the loop; audit events are held for `audit.batch_seconds` and go as one AuditBatch, and one that
 cannot be handed over now is given back to the hub (its events are re-sent later). The verify lane drives the
@@ -101,6 +101,7 @@ class OrchestratorLane:
         self.admitting = trio.CapacityLimiter(ADMITTING_THREADS)
         self.storage = StorageGuard(Path(config.run.journal).parent, config.storage.min_free_bytes)
         self.ticker = Ticker(TICK_SECONDS, RIDE_AFTER_SECONDS, self.tick)
+        self.control: Inbox | None = None  # the control inbox, once `run` listens on it
 
     def now(self) -> float:
         return trio.current_time()
@@ -158,12 +159,6 @@ class OrchestratorLane:
             return self.outboxes[msg.lane].connected()
         return True
 
-    async def receive(self, inbox: Inbox, handle: Any) -> None:
-        async for msg in inbox:
-            if self.reachable(msg):
-                self.guarded(handle, msg)
-            self.ticker.ride(self.now())
-
     async def receive_data(self, inbox: Inbox) -> None:
         """Decided steps in bursts: everything the inbox holds at once is journaled in one
         transaction (`Hub.on_burst`); then one StepsJournaled tells the verify lane how far the
@@ -173,7 +168,17 @@ class OrchestratorLane:
             self.guarded(self.hub.on_burst, [await inbox.next(), *inbox.ready()])
             self.ticker.ride(self.now())
 
+    def read_control(self) -> None:
+        """The control inbox, drained at each tick rather than waited on: its heartbeats (a lane's
+        every `run.heartbeat_seconds`), faults, lane news and audit acknowledgements woke this loop
+        about 20 times a second while a stream ran, and none needs an answer sooner than a tick
+        (at most `TICK_SECONDS`). nng keeps what arrives meanwhile."""
+        for msg in self.control.ready() if self.control is not None else ():
+            if self.reachable(msg):
+                self.guarded(self.hub.on_control, msg)
+
     def tick(self) -> None:
+        self.read_control()
         self.guarded(self.hub.tick)
         if self.now() >= self.audit_sent + self.config.audit.batch_seconds:
             self.send_audit()
@@ -261,7 +266,7 @@ class OrchestratorLane:
     async def run(self) -> None:
         config, hub = self.config, self.hub
         data = Inbox(config.bind("data"), DataInbox, config.tls)
-        control = Inbox(config.bind("control"), ControlInbox, config.tls)
+        self.control = Inbox(config.bind("control"), ControlInbox, config.tls)
         clients = listen(pynng.Rep0, config.bind("client"), config.tls, config.admission.max_message_bytes)
         # What a previous orchestrator left in the journal, and how it died (the supervisor says).
         predecessor = os.environ.get(PREDECESSOR)
@@ -270,7 +275,6 @@ class OrchestratorLane:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.receive_data, data)
-                nursery.start_soon(self.receive, control, hub.on_control)
                 nursery.start_soon(self.send_to_verify)
                 nursery.start_soon(self.ticker.run)
                 nursery.start_soon(self.serve_client, nursery, clients, [0])

@@ -256,7 +256,9 @@ class World:
         else:
             events = [EVENTS.decode(raw) for raw in msg.events] if isinstance(msg, AuditBatch) else [msg]
             self.audited.update((event.event_id, event) for event in events)
-            self.reply(AuditAck(event_ids=[event.event_id for event in events]))
+            ack = AuditAck(event_ids=[event.event_id for event in events])
+            if not self.orchestrator_dead:  # on the control inbox, which a tick reads
+                self.feed(self.hub.on_control(ack, self.now))
         return send
 
     def run(self, until: int | None = None) -> None:

@@ -664,7 +664,7 @@ def test_the_audit_lane_writes_a_batch_in_one_transaction_and_acknowledges_it_on
     from lanes.audit import serve
     from lanes.lane import LaneContext
     from pipeline.protocol.config import load_config
-    from pipeline.protocol.messages import AuditAck, AuditBatch, DataInbox, encode
+    from pipeline.protocol.messages import AuditAck, AuditBatch, ControlInbox, encode
     from pipeline.protocol.transport import Inbox, Outbox
 
     from .telemetry_harness import MemoryTelemetry
@@ -675,7 +675,7 @@ def test_the_audit_lane_writes_a_batch_in_one_transaction_and_acknowledges_it_on
     acks: list[AuditAck] = []
 
     async def scenario() -> None:
-        data = Inbox(config.bind("data"), DataInbox, config.tls)
+        control = Inbox(config.bind("control"), ControlInbox, config.tls)
         outbox = Outbox(config.addresses.audit, config.tls, buffer=len(events))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(serve, LaneContext("audit", config, MemoryTelemetry()))
@@ -684,10 +684,10 @@ def test_the_audit_lane_writes_a_batch_in_one_transaction_and_acknowledges_it_on
                     await trio.sleep(0.01)
                 assert all(outbox.put_bytes_nowait(encode(message)) for message in sent)
                 while sum(len(a.event_ids) for a in acks) < len(events):
-                    if isinstance(ack := await data.next(), AuditAck):
+                    if isinstance(ack := await control.next(), AuditAck):
                         acks.append(ack)
             nursery.cancel_scope.cancel()
-        data.close()
+        control.close()
         outbox.sock.close()
 
     trio.run(scenario)

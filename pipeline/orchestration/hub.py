@@ -205,16 +205,13 @@ class Hub:
             return self.on_burst([msg], now)
         if isinstance(msg, BadMessage):
             return self._raise("bad_request", "orchestrator", f"data inbox: {msg}", None, now)
-        if isinstance(msg, AuditAck):
-            self.ledger.acknowledged(msg.event_ids)
-            return []
         if (machine := self.front.machine(msg.request_id)) is None:
             return []
         return self._run(machine, machine.on_reply(msg, now), now)
 
     def on_burst(self, msgs: list[DataInbox | BadMessage], now: float) -> list[Send]:
         """What the data inbox held at once (decided steps of several requests, each verify-lane
-        report's in one `Reported`, and acknowledgements), journaled in one transaction. Every send
+        report's in one `Reported`), journaled in one transaction. Every send
         comes back only after its commit: StepsJournaled and the audit events never speak of a step
         the journal could still lose, and the lane process wakes the polls that show them only then.
         A commit the disk cannot take (or that fails otherwise) loses the whole burst's steps: the
@@ -277,6 +274,9 @@ class Hub:
             return self._raise("bad_request", "orchestrator", f"control inbox: {msg}", None, now)
         if isinstance(msg, Fault):
             return self.ledger.fault(msg, now)
+        if isinstance(msg, AuditAck):
+            self.ledger.acknowledged(msg.event_ids)
+            return []
         if isinstance(msg, Shutdown):
             return self.closing.notice(msg, now, len(self.front.running()))
         change, lane = self.lanes.update(msg, now), self.lanes.views.get(msg.lane)

@@ -5,9 +5,10 @@ Sockets and what they carry (the receiving side listens, senders dial):
 - verify lane inbox (data): Open, Close, StepsJournaled from the orchestrator; Drafted from the draft lane
 - draft lane inbox (data): DraftRequest, Close (from the verify lane, which drives each request's steps)
 - audit lane inbox (data): RequestOpened, StepEvent, SpeculativeEvent, FaultEvent, LaneSnapshot
-- orchestrator data inbox: Decided, StepFailed (from the verify lane), AuditAck
+- orchestrator data inbox: Decided, StepFailed, Reported (from the verify lane): acted on at once
 Inside the verify lane, its driver and its verifier exchange Verify, Opened and Verified.
-- orchestrator control inbox: Fault, LaneUp, LaneDown, LaneFailed, Heartbeat, Shutdown
+- orchestrator control inbox: Fault, LaneUp, LaneDown, LaneFailed, Heartbeat, Shutdown, AuditAck: read at
+  each tick, so none of them wakes the orchestrator
 - orchestrator client socket (req/rep): Submit, Poll, Watch, Cancel, StatusQuery, MetricsQuery, Tokenize,
   Detokenize -> Submitted, Chunks, Watched, ErrorReply, StatusReport, MetricsReport, Tokens, Text
 - gateway inbox: Pushed (from the orchestrator: the chunks of the streams a `Watch` with `push` asked for)
@@ -576,8 +577,8 @@ VerifyInbox = Open | Close | StepsJournaled | Drafted | StepFailed  # StepFailed
 DraftInbox = DraftRequest | Close
 AuditInbox = RequestOpened | StepEvent | SpeculativeEvent | FaultEvent | LaneSnapshot
 AuditLaneInbox = AuditInbox | AuditBatch  # what the audit lane's socket takes (AuditInbox: what it stores)
-DataInbox = Decided | StepFailed | Reported | AuditAck
-ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown
+DataInbox = Decided | StepFailed | Reported
+ControlInbox = Fault | LaneUp | LaneDown | LaneFailed | Heartbeat | Shutdown | AuditAck
 ClientRequest = Submit | Poll | Watch | Cancel | StatusQuery | MetricsQuery | Tokenize | Detokenize
 GatewayInbox = Pushed
 ClientReply = Submitted | Chunks | Watched | ErrorReply | StatusReport | MetricsReport | Tokens | Text
