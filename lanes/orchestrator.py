@@ -1,14 +1,15 @@
 """The orchestrator lane: sockets and timers around the I/O-free `Hub` (pipeline/orchestration).
 
-Everything it receives (decided steps on the data inbox, lane news, faults and audit acknowledgements
-on the control inbox, which each tick drains, client calls on the Rep socket, the clock) goes into the hub; every `Send` that comes back
-goes out on the lane's Push socket. Sends to the verify lane keep their order and never
-block the loop; audit events are held for `audit.batch_seconds` and go as one AuditBatch, and one that
-cannot be handed over now is given back to the hub (its events are re-sent later). The verify lane drives the
-decode loops: this process journals, streams and audits the steps it decides, and tells it how far
-the journal has got. A Submit's prompt is tokenized in a worker thread (`Hub.admit`), so a long
-prompt delays only its own request, never the loop; so are `Tokenize` and `Detokenize`. Clients read
-their chunks through `ClientStreams` (lanes/client_streams.py): long polls, or pushes to the gateway. A
+Everything it receives (decided steps on the data inbox; lane news, faults and audit
+acknowledgements on the control inbox, which each tick drains; client calls on the Rep socket; the
+clock) goes into the hub; every `Send` that comes back goes out on the lane's Push socket. Sends to
+the verify lane keep their order and never block the loop; audit events are held for
+`audit.batch_seconds` and go as one AuditBatch, and one that cannot be handed over now is given back
+to the hub (its events are re-sent later). The verify lane drives the decode loops: this process
+journals, streams and audits the steps it decides, and tells it how far the journal has got. A
+Submit's prompt is tokenized in a worker thread (`Hub.admit`), so a long prompt delays only its own
+request, never the loop; so are `Tokenize` and `Detokenize`. Clients read their chunks through
+`ClientStreams` (lanes/client_streams.py): long polls, or pushes to the gateway. A
 `MetricsQuery` is answered with the Prometheus text of this process's instruments
 (observability/prometheus.py). The state-like ones (requests decoding and queued, lanes)
 read `gauges`, a snapshot the loop takes every tick and before each MetricsQuery: the OTLP exporter

@@ -6,6 +6,8 @@ coalesced, and errors end the streams they concern."""
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import pytest
 import trio
@@ -16,6 +18,7 @@ from pipeline.decoding.result import Result
 from pipeline.protocol.client import PipelineError
 from pipeline.protocol.feed import MAX_HELD, Feed, merged
 from pipeline.protocol.messages import Chunk, Chunks, Cursor, Watch, Watched
+from pipeline.protocol.push_feed import PushFeed
 
 
 def result(request_id: str, tokens: list[int]) -> Result:
@@ -173,14 +176,17 @@ def test_a_slow_reader_is_held_to_a_bound_and_gets_the_rest_coalesced_in_order()
     assert len(batches) < 20  # coalesced: a few batches (one chunk each through the client), not 300
 
 
+async def read_to_error(feed: Feed | PushFeed, request_id: str, errors: dict[str, str]) -> None:
+    """Reads the stream, which must end with an error: its kind goes into `errors`."""
+    with pytest.raises(PipelineError) as caught:
+        async for _ in feed.items(request_id, "secret"):
+            pass
+    errors[request_id] = caught.value.kind
+
+
 def test_errors_end_the_streams_they_concern():
     orchestrator, errors = Orchestrator(), {}
-
-    async def reader(feed: Feed, request_id: str) -> None:
-        with pytest.raises(PipelineError) as caught:
-            async for _ in feed.items(request_id, "secret"):
-                pass
-        errors[request_id] = caught.value.kind
+    reader = functools.partial(read_to_error, errors=errors)
 
     async def main() -> None:
         feed = Feed(orchestrator.call, PipelineError)

@@ -7,6 +7,7 @@ instead; a slow reader is held to a bound; errors end the streams they concern."
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,8 @@ from pipeline.protocol.messages import (
     Watched,
 )
 from pipeline.protocol.push_feed import PushFeed
+
+from .test_feed import read_to_error
 
 
 def result(request_id: str, count: int) -> Result:
@@ -275,12 +278,7 @@ def test_a_slow_reader_is_held_to_a_bound_and_gets_the_rest_in_order():
 
 def test_errors_end_the_streams_they_concern():
     orchestrator, errors = Orchestrator(), {}
-
-    async def reader(feed: PushFeed, request_id: str) -> None:
-        with pytest.raises(PipelineError) as caught:
-            async for _ in feed.items(request_id, "secret"):
-                pass
-        errors[request_id] = caught.value.kind
+    reader = functools.partial(read_to_error, errors=errors)
 
     async def main() -> None:
         feed = orchestrator.feed()

@@ -20,6 +20,7 @@ decided steps, not N, and nothing runs in the background: a feed with no reader 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,15 @@ from pipeline.protocol.messages import Chunk, Chunks, Cursor, Watch, Watched
 
 MAX_HELD = 64  # chunks a stream holds for a reader that has not taken them (each a step's tokens)
 WATCH_SECONDS = 5.0  # how long one watch waits for news before it is sent again
+
+
+async def until_done(take: Callable[[], Awaitable[list[Chunk | Result]]]) -> AsyncIterator[list[Any]]:
+    """`take()`'s batches, up to the one that ends with the final `Result`."""
+    while True:
+        batch = await take()
+        yield batch
+        if isinstance(batch[-1], Result):
+            return
 
 
 def continuation(reply: Chunks, after: int) -> tuple[list[Chunk], int, Result | None]:
@@ -107,11 +117,8 @@ class Feed:
         key = next(self.keys)
         stream = self.streams[key] = Stream(request_id, secret, after)
         try:
-            while True:
-                batch = await self.take(key, stream)
+            async for batch in until_done(functools.partial(self.take, key, stream)):
                 yield batch
-                if isinstance(batch[-1], Result):
-                    return
         finally:
             del self.streams[key]
 

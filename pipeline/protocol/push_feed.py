@@ -24,6 +24,7 @@ feed then works as `Feed` does.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import uuid
@@ -33,7 +34,7 @@ from typing import Any, Protocol
 import trio
 
 from pipeline.decoding.result import Result
-from pipeline.protocol.feed import WATCH_SECONDS, Call, Stream, continuation, deliver
+from pipeline.protocol.feed import WATCH_SECONDS, Call, Stream, continuation, deliver, until_done
 from pipeline.protocol.messages import BadMessage, Chunk, Cursor, Pushed, Watch
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,8 @@ class PushFeed:
         self.arrived[key] = trio.Event()
         self.renew()
         try:
-            while True:
-                batch = await self.take(key, stream)
+            async for batch in until_done(functools.partial(self.take, key, stream)):
                 yield batch
-                if isinstance(batch[-1], Result):
-                    return
         finally:
             del self.streams[key], self.arrived[key]
 
