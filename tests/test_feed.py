@@ -7,6 +7,7 @@ coalesced, and errors end the streams they concern."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import msgspec
 import pytest
@@ -86,7 +87,11 @@ class Orchestrator:
 
 
 async def read(
-    feed: Feed, request_id: str, got: dict[str, list], pause: float = 0.0, batches: list | None = None
+    feed: Feed | PushFeed,
+    request_id: str,
+    got: dict[str, list],
+    pause: float = 0.0,
+    batches: list | None = None,
 ) -> None:
     got[request_id] = []
     async for batch in feed.items(request_id, "secret"):
@@ -98,6 +103,31 @@ async def read(
 
 def texts(items: list) -> str:
     return "".join(item.text for item in items if isinstance(item, Chunk))
+
+
+def expected(request_id: str, count: int) -> str:
+    """The text of `count` chunks the stand-ins' `add` made."""
+    return "".join(f"<{request_id}{seq}>" for seq in range(count))
+
+
+async def slow_and_fast(orchestrator: Any, feed: Any, held: list[int]) -> None:
+    """300 chunks each of "slow" and "fast", 0.1 s apart, then both ends; after each step, `held`
+    gets the most chunks any stream of `feed` holds."""
+    for _ in range(300):
+        orchestrator.add("slow")
+        orchestrator.add("fast")
+        await trio.sleep(0.1)
+        held.append(max(len(s.held) for s in feed.streams.values()))
+    orchestrator.finish("slow")
+    orchestrator.finish("fast")
+
+
+async def bursts(orchestrator: Any, ids: list[str], count: int = 20) -> None:
+    """`count` bursts a second apart, each a step of 2 chunks for every request at once."""
+    for _ in range(count):
+        for request_id in ids:
+            orchestrator.add(request_id, 2)
+        await trio.sleep(1)
 
 
 def test_every_stream_gets_its_chunks_once_in_order_from_one_watch_per_burst():
@@ -113,18 +143,15 @@ def test_every_stream_gets_its_chunks_once_in_order_from_one_watch_per_burst():
                 nursery.start_soon(read, feed, request_id, got)
             await trio.sleep(1)
             joined = len(orchestrator.watches)
-            for _ in range(20):  # a burst: a step of every request at once
-                for request_id in ids:
-                    orchestrator.add(request_id, 2)
-                await trio.sleep(1)
-            bursts = len(orchestrator.watches) - joined
+            await bursts(orchestrator, ids)
+            watches = len(orchestrator.watches) - joined
             for request_id in ids:
                 orchestrator.finish(request_id)
-        assert bursts <= 21, bursts  # one watch a burst for all three streams, not three
+        assert watches <= 21, watches  # one watch a burst for all three streams, not three
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     for request_id in ids:
-        assert texts(got[request_id]) == "".join(f"<{request_id}{s}>" for s in range(40))
+        assert texts(got[request_id]) == expected(request_id, 40)
         assert got[request_id][-1] == orchestrator.done[request_id]
 
 
@@ -161,18 +188,12 @@ def test_a_slow_reader_is_held_to_a_bound_and_gets_the_rest_coalesced_in_order()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read, feed, "slow", got, 50.0, batches)  # takes a batch every 50 s
             nursery.start_soon(read, feed, "fast", got)
-            for _ in range(300):
-                orchestrator.add("slow")
-                orchestrator.add("fast")
-                await trio.sleep(0.1)
-                held.append(max(len(s.held) for s in feed.streams.values()))
-            orchestrator.finish("slow")
-            orchestrator.finish("fast")
+            await slow_and_fast(orchestrator, feed, held)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert max(held) <= MAX_HELD
     for request_id in ("slow", "fast"):
-        assert texts(got[request_id]) == "".join(f"<{request_id}{s}>" for s in range(300))
+        assert texts(got[request_id]) == expected(request_id, 300)
     assert len(batches) < 20  # coalesced: a few batches (one chunk each through the client), not 300
 
 

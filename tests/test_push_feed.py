@@ -38,7 +38,7 @@ from pipeline.protocol.messages import (
 )
 from pipeline.protocol.push_feed import PushFeed
 
-from .test_feed import read_to_error
+from .test_feed import bursts, expected, read, read_to_error, slow_and_fast, texts
 
 
 def result(request_id: str, count: int) -> Result:
@@ -155,21 +155,6 @@ class Orchestrator:
         return PushFeed(self.call, PipelineError, self.inbox, wait)
 
 
-async def read(feed: PushFeed, request_id: str, got: dict[str, list], pause: float = 0.0) -> None:
-    got[request_id] = []
-    async for batch in feed.items(request_id, "secret"):
-        got[request_id] += batch
-        await trio.sleep(pause)
-
-
-def texts(items: list) -> str:
-    return "".join(item.text for item in items if isinstance(item, Chunk))
-
-
-def expected(request_id: str, count: int) -> str:
-    return "".join(f"<{request_id}{seq}>" for seq in range(count))
-
-
 def run(main) -> None:  # type: ignore[no-untyped-def]
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -199,10 +184,7 @@ def test_every_stream_gets_its_chunks_once_in_order_pushed_without_a_watch_per_b
                 nursery.start_soon(read, feed, request_id, got)
             await trio.sleep(1)
             joined = len(orchestrator.watches)
-            for _ in range(20):  # a burst: a step of every request at once
-                for request_id in ids:
-                    orchestrator.add(request_id, 2)
-                await trio.sleep(1)
+            await bursts(orchestrator, ids)
             assert len(orchestrator.watches) == joined  # the 20 bursts went without a watch
             for request_id in ids:
                 orchestrator.finish(request_id)
@@ -261,13 +243,7 @@ def test_a_slow_reader_is_held_to_a_bound_and_gets_the_rest_in_order():
             nursery.start_soon(feed.run)
             nursery.start_soon(read, feed, "slow", got, 50.0)  # takes a batch every 50 s
             nursery.start_soon(read, feed, "fast", got)
-            for _ in range(300):
-                orchestrator.add("slow")
-                orchestrator.add("fast")
-                await trio.sleep(0.1)
-                held.append(max(len(s.held) for s in feed.streams.values()))
-            orchestrator.finish("slow")
-            orchestrator.finish("fast")
+            await slow_and_fast(orchestrator, feed, held)
             await until_finished(got, ["slow", "fast"], nursery, within=1000.0)
 
     run(main)

@@ -124,9 +124,9 @@ def _request_now(ctx: pynng.Context, data: bytes) -> bool:
 async def send_request(ctx: pynng.Context, data: bytes) -> None:
     """A Req context's request. Why not only `ctx.asend`: pynng completes every async call from
     nng's thread through trio's `run_sync_soon`, and that completion wakes the event loop once more
-    for every request, though the pipe took it at once (the gateway's watch of its streams: about 20
-    more wake-ups a second while a stream runs, each about 0.5 ms of CPU on a 2-core VM,
-    lanes/ticker.py). Sent now when a pipe can take it, else the async send waits as before."""
+    for every request, though the pipe took it at once (each wake-up about 0.5 ms of CPU on a 2-core
+    VM, lanes/ticker.py; when the gateway still long-polled, about 20 of them a second while a stream
+    ran). Sent now when a pipe can take it, else the async send waits as before."""
     if not _request_now(ctx, data):
         await ctx.asend(data)
 
