@@ -20,7 +20,7 @@ import pytest
 
 import pipeline  # noqa: F401  (sets the OpenBLAS environment before numpy loads)
 
-from . import USER_OPENBLAS_THREADS
+from . import USER_OMP_THREADS, USER_OPENBLAS_THREADS
 from .pipeline_harness import Pipeline, running_pipeline
 from .tinymodel import TinySpec, write_tiny_gguf
 
@@ -28,16 +28,29 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One OpenBLAS thread per pytest-xdist worker when the workers fill the cores, set here in the
-    controller before it starts them (they inherit its environment, and load numpy later).
+    """One OpenBLAS and one OpenMP thread per pytest-xdist worker when the workers fill the cores,
+    set here in the controller before it starts them (they inherit its environment, and load numpy,
+    the native kernels and torch later). A user's own setting wins; the lanes that tests start
+    inherit it too.
 
-    OpenBLAS threads spin while they wait for each other: with two workers' numpy oracles at two
-    threads each on the 2-core VM, a 24-token greedy decode took 22 s, and 2 s at one thread each
-    (the same bits: OpenBLAS splits a product's outputs between its threads, never a sum). A
-    user's own setting wins; the lanes that tests start inherit it too."""
+    Both kinds of thread spin while they wait for each other, and with two workers on two cores the
+    one waited for is often descheduled:
+    - OpenBLAS: with two workers' numpy oracles at two threads each on the 2-core VM, a 24-token
+      greedy decode took 22 s, and 2 s at one thread each.
+    - OpenMP (the native kernels, torch): the whole suite took 637 s at two threads (1,050 s of user
+      CPU) and 421 s at one (651 s) on the 2-core AMD VM.
+
+    Neither changes a bit: OpenBLAS splits a product's outputs between its threads, never a sum, and
+    so do the native kernels (`test_row_invariance.test_the_thread_count_changes_no_bit` runs them
+    at 1, 2 and 3 threads)."""
     workers = config.getoption("numprocesses", None)
-    if isinstance(workers, int) and workers > 1 and USER_OPENBLAS_THREADS is None:
-        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    if not (isinstance(workers, int) and workers > 1):
+        return
+    share = str(max(1, (os.cpu_count() or 1) // workers))
+    if USER_OPENBLAS_THREADS is None:
+        os.environ["OPENBLAS_NUM_THREADS"] = share
+    if USER_OMP_THREADS is None:
+        os.environ["OMP_NUM_THREADS"] = share
 
 
 def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -825,15 +825,15 @@ def test_response_ids_name_the_request_in_audit_and_trace(pipeline, client, mode
     assert settings["model"] == str(default_model_path()) and settings["model_name"] == model
     prefix = response.id[: len("chatcmpl-") + 10]
     deadline = time.monotonic() + 20
-    while True:  # the spans reach the files within a moment
-        try:
+    named: list[dict] = []
+    while len(named) < 2:  # each process's spans reach its file within a moment, not at the same one
+        assert time.monotonic() < deadline, f"the response id's spans were not all written: {named}"
+        time.sleep(0.2)
+        with contextlib.suppress(AssertionError):  # no trace for the id yet
             spans = cli_json(pipeline, capsys, "trace", prefix)
-            break
-        except AssertionError:
-            assert time.monotonic() < deadline, "no trace for the response id"
-            time.sleep(0.2)
-    # The id the client received, on the gateway's HTTP span and the pipeline's root span (GenAI conventions).
-    named = [s for s in spans if s["attributes"].get("gen_ai.response.id") == response.id]
+            # The id the client received, on the gateway's HTTP span and the pipeline's root span
+            # (GenAI conventions).
+            named = [s for s in spans if s["attributes"].get("gen_ai.response.id") == response.id]
     roots = [s for s in named if s["attributes"].get("speclanes.request_id") == shown["request_id"]]
     assert len(named) == 2 and len(roots) == 1
 

@@ -8,6 +8,7 @@ equals plain greedy decoding by construction, near-ties included.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import msgspec
@@ -304,6 +305,29 @@ def test_default_model_logits_are_row_invariant(served_model):
     model.forward(mine, tokens[:30])
     got = model.forward_batch([(other, tokens[5:30]), (mine, tokens[30:])])[1]
     assert np.array_equal(got, want[30:])
+
+
+def test_the_thread_count_changes_no_bit(served_model):
+    """The native kernels split a forward's rows (from ROWS_PARALLEL = 32 on) and the LM head's
+    outputs between OpenMP threads, never a sum: 1, 2 and 3 threads give the same bits. The suite's
+    workers run one thread each (conftest.pytest_configure), users as many as their cores."""
+    model = served_model
+    if model.backend != "native":
+        pytest.skip("needs the native backend")
+    gomp = ctypes.CDLL("libgomp.so.1")  # the one the kernels link (pipeline/model/native.py)
+    tokens = model.tokenizer.encode("Threads split rows and outputs between them, and never a sum. " * 6)[:80]
+    before, got = gomp.omp_get_max_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            gomp.omp_set_num_threads(threads)
+            assert gomp.omp_get_max_threads() == threads
+            cache = model.new_cache()
+            prefill = model.forward(cache, tokens[:70])
+            got.append((prefill, model.forward(cache, tokens[70:])))
+    finally:
+        gomp.omp_set_num_threads(before)
+    for prefill, step in got[1:]:
+        assert np.array_equal(prefill, got[0][0]) and np.array_equal(step, got[0][1])
 
 
 def test_numpy_reference_is_documented_as_not_row_invariant(tmp_path):
