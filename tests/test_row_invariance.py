@@ -308,26 +308,35 @@ def test_default_model_logits_are_row_invariant(served_model):
 
 
 def test_the_thread_count_changes_no_bit(served_model):
-    """The native kernels split a forward's rows (from ROWS_PARALLEL = 32 on) and the LM head's
-    outputs between OpenMP threads, never a sum: 1, 2 and 3 threads give the same bits. The suite's
-    workers run one thread each (conftest.pytest_configure), users as many as their cores."""
+    """The native kernels split a forward's rows (from ROWS_PARALLEL = 32 on), the LM head's outputs
+    and a batch's attention units between OpenMP threads, never a sum: 1, 2 and 3 threads give the
+    same bits, for a prefill, a step, and a batch of sequences of different lengths with a token
+    tree among them. The suite's workers run one thread each (conftest.pytest_configure), users as
+    many as their cores."""
     model = served_model
     if model.backend != "native":
         pytest.skip("needs the native backend")
     gomp = ctypes.CDLL("libgomp.so.1")  # the one the kernels link (pipeline/model/native.py)
     tokens = model.tokenizer.encode("Threads split rows and outputs between them, and never a sum. " * 6)[:80]
-    before, got = gomp.omp_get_max_threads(), []
+
+    def forwards() -> list[np.ndarray]:
+        caches = [model.new_cache() for _ in range(3)]
+        got = [model.forward(caches[0], tokens[:70]), model.forward(caches[0], tokens[70:])]
+        model.forward(caches[1], tokens[:9])
+        model.forward(caches[2], tokens[:40])
+        tree = (caches[2], tokens[40:45], np.array([-1, 0, 0, 1, 2], np.int32))
+        return got + model.forward_batch([(caches[0], tokens[:3]), (caches[1], [5]), tree])
+
+    before, runs = gomp.omp_get_max_threads(), []
     try:
         for threads in (1, 2, 3):
             gomp.omp_set_num_threads(threads)
             assert gomp.omp_get_max_threads() == threads
-            cache = model.new_cache()
-            prefill = model.forward(cache, tokens[:70])
-            got.append((prefill, model.forward(cache, tokens[70:])))
+            runs.append(forwards())
     finally:
         gomp.omp_set_num_threads(before)
-    for prefill, step in got[1:]:
-        assert np.array_equal(prefill, got[0][0]) and np.array_equal(step, got[0][1])
+    for run in runs[1:]:
+        assert all(np.array_equal(got, want) for got, want in zip(run, runs[0], strict=True))
 
 
 def test_numpy_reference_is_documented_as_not_row_invariant(tmp_path):

@@ -25,6 +25,23 @@ void silu_mul_f32(const float *gate_up, int rows, int ff, float *out);
 void gelu_mul_f32(const float *gate_up, int rows, int ff, float *out);
 void rope_attend_f32(const float *qkv, const AttendSpec *a, int rows, int start, const int *parents,
                      float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out);
+
+/* One sequence's attention in one layer: rope_attend_f32's arguments, then what rope_attend_batch
+ * lays out for its units (set there, freed there). */
+typedef struct {
+    const float *qkv;
+    AttendSpec a;
+    int rows, start;
+    const int *parents;
+    float *kt, *v;
+    int cap;
+    float *out;
+    float *q;                       /* the rows' rotated, scaled queries */
+    int *depth, *lo, *paths, *skip; /* per row (paths: rows x rows; paths, skip: trees only) */
+    int chunk, per_kv, units;
+} AttendJob;
+
+void rope_attend_batch(AttendJob *jobs, int n_jobs, int n_heads, int n_kv, int hd, float scale);
 void quantize_q8(const float *x, int rows, int k, int8_t *xq, float *dx, int32_t *sx, int32_t *sh);
 void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, const int32_t *sh, int rows, int k,
                  const uint8_t *w, int kind, int n, float *out, int ldo);

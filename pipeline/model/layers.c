@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels.h"
 
@@ -55,27 +56,33 @@ static void product(const float *x, int rows, const Matrix *m, Scratch *s, float
                     m->parts[p].n_out, out + column, m->n_out);
 }
 
-/* One sequence's attention in layer L, in the buffer (global or local) the layer's K/V live in. */
-static void attend(const Layer *L, const Sequence *q, const float *qkv, float eps, int n_heads, int n_kv, int hd,
-                   float scale, float *out) {
-    int local = L->window > 0, cap = local ? q->local_cap : q->cap;
-    size_t offset = (size_t)L->cache_index * n_kv * hd * cap;
-    AttendSpec a = {L->bias, L->q_norm, L->k_norm, eps, L->cos, L->sin, L->window, local ? q->base : 0};
-    rope_attend_f32(qkv, &a, q->rows, q->start, q->parents, (local ? q->local_kt : q->kt) + offset,
-                    (local ? q->local_v : q->v) + offset, cap, n_heads, n_kv, hd, scale, out);
+/* Every sequence's attention in layer L, each in the buffer (global or local) the layer's K/V live
+ * in, as one batch of jobs (rope_attend_batch: the threads share all their units). */
+static void attend(const Layer *L, const Sequence *seqs, int n_seqs, const float *qkv, float eps, int n_heads,
+                   int n_kv, int hd, float scale, float *out, AttendJob *jobs) {
+    int local = L->window > 0, width = (n_heads + 2 * n_kv) * hd, q_dim = n_heads * hd;
+    for (int i = 0; i < n_seqs; i++) {
+        const Sequence *q = &seqs[i];
+        int cap = local ? q->local_cap : q->cap;
+        size_t offset = (size_t)L->cache_index * n_kv * hd * cap;
+        AttendSpec a = {L->bias, L->q_norm, L->k_norm, eps, L->cos, L->sin, L->window, local ? q->base : 0};
+        AttendJob job = {qkv + (size_t)q->first_row * width, a, q->rows, q->start, q->parents,
+                         (local ? q->local_kt : q->kt) + offset, (local ? q->local_v : q->v) + offset, cap,
+                         out + (size_t)q->first_row * q_dim};
+        jobs[i] = job;
+    }
+    rope_attend_batch(jobs, n_seqs, n_heads, n_kv, hd, scale);
 }
 
 /* x (rows, d): embeddings in, the last layer's residual stream out. gelu: GeGLU (else SwiGLU). */
 void forward_layers(float *x, int rows, int d, int ff, int n_heads, int n_kv, int hd, float eps, float scale,
                     int gelu, const Layer *layers, int n_layers, const Sequence *seqs, int n_seqs, Scratch *s) {
-    int q_dim = n_heads * hd, width = (n_heads + 2 * n_kv) * hd;
+    AttendJob *jobs = malloc(sizeof(AttendJob) * (size_t)n_seqs);
     rms_norm_f32(x, rows, d, layers[0].attn_norm, eps, s->h);
     for (int l = 0; l < n_layers; l++) {
         const Layer *L = &layers[l];
         product(s->h, rows, &L->qkv, s, s->qkv);
-        for (int i = 0; i < n_seqs; i++)
-            attend(L, &seqs[i], s->qkv + (size_t)seqs[i].first_row * width, eps, n_heads, n_kv, hd, scale,
-                   s->attn + (size_t)seqs[i].first_row * q_dim);
+        attend(L, seqs, n_seqs, s->qkv, eps, n_heads, n_kv, hd, scale, s->attn, jobs);
         product(s->attn, rows, &L->o, s, s->out);
         if (L->post_attn_norm) rms_norm_f32(s->out, rows, d, L->post_attn_norm, eps, s->out);
         add_rms_norm_f32(x, s->out, rows, d, L->ffn_norm, eps, s->h);
@@ -88,4 +95,5 @@ void forward_layers(float *x, int rows, int d, int ff, int n_heads, int n_kv, in
         else
             add_f32(x, s->out, rows * d);
     }
+    free(jobs);
 }

@@ -392,58 +392,113 @@ static void project_row(const float *src_in, const AttendSpec *a, int pos, int s
  */
 void rope_attend_f32(const float *qkv, const AttendSpec *a, int rows, int start, const int *parents,
                      float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out) {
-    int group = n_heads / n_kv, width = (n_heads + 2 * n_kv) * hd;
-    float *q = malloc(sizeof(float) * (size_t)rows * n_heads * hd);
-    int *depth = malloc(sizeof(int) * (size_t)rows);
-    for (int r = 0; r < rows; r++) depth[r] = parents == NULL ? r : (parents[r] < 0 ? 0 : depth[parents[r]] + 1);
+    AttendJob job = {qkv, *a, rows, start, parents, kt, v, cap, out};
+    rope_attend_batch(&job, 1, n_heads, n_kv, hd, scale);
+}
+
+/* A job's own arrays: its rows' depths and scaled queries. */
+static void job_prepare(AttendJob *j, int n_heads, int hd) {
+    j->q = malloc(sizeof(float) * (size_t)j->rows * n_heads * hd);
+    j->depth = malloc(sizeof(int) * (size_t)j->rows);
+    for (int r = 0; r < j->rows; r++)
+        j->depth[r] = j->parents == NULL ? r : (j->parents[r] < 0 ? 0 : j->depth[j->parents[r]] + 1);
+}
+
+/* Each row's first visible position; a tree row's tail: the slots of its path from the first
+ * visible ancestor (root first) down to itself, as offsets from that first position. Then the
+ * job's units: one row's queries of one kv head, or half of them where there would be only one
+ * unit (one row, one kv head: Gemma 3's decode step), so both threads attend. A head's bits do not
+ * depend on which heads share its group (score_block, weigh_values). Splitting SmolLM2's 3 units of
+ * a decode step so as to balance two threads was measured slower (0.3-0.6 ms a step at 150-600
+ * positions): each part reads its kv head's keys and values again. */
+static void job_layout(AttendJob *j, int n_heads, int n_kv) {
+    int rows = j->rows, start = j->start, group = n_heads / n_kv;
+    j->lo = malloc(sizeof(int) * (size_t)rows);
+    j->paths = j->skip = NULL;
+    for (int r = 0; r < rows; r++) {
+        int pos = start + j->depth[r];
+        j->lo[r] = j->a.window > 0 && pos - j->a.window + 1 > 0 ? pos - j->a.window + 1 : 0;
+    }
+    if (j->parents != NULL) {
+        j->paths = malloc(sizeof(int) * (size_t)rows * rows);
+        j->skip = malloc(sizeof(int) * (size_t)rows);
+        for (int r = 0; r < rows; r++) {
+            j->skip[r] = j->lo[r] > start ? j->lo[r] - start : 0;
+            for (int x = r, d = j->depth[r]; x >= 0; x = j->parents[x], d--)
+                j->paths[(size_t)r * rows + d] = start + x - j->lo[r];
+        }
+    }
+    j->chunk = n_kv * rows == 1 && group > 1 ? (group + 1) / 2 : MAX_GROUP;
+    j->per_kv = (group + j->chunk - 1) / j->chunk;
+    j->units = n_kv * rows * j->per_kv;
+}
+
+/* One unit of a laid-out job: its row's queries of one kv head (or part of them), over the keys. */
+static void job_unit(const AttendJob *j, int unit, int n_heads, int n_kv, int hd) {
+    int group = n_heads / n_kv, per_kv = j->per_kv, chunk = j->chunk, start = j->start;
+    int part = unit % per_kv, h = unit / per_kv % n_kv, r = unit / per_kv / n_kv, first = j->lo[r] - j->a.base;
+    int n = j->paths ? (start > j->lo[r] ? start - j->lo[r] : 0) : start + r + 1 - j->lo[r];
+    int n_tail = j->paths ? j->depth[r] + 1 - j->skip[r] : 0;
+    const int *tail = j->paths ? j->paths + (size_t)r * j->rows + j->skip[r] : NULL;
+    int g_end = (part + 1) * chunk < group ? (part + 1) * chunk : group;
+    for (int g0 = part * chunk; g0 < g_end; g0 += MAX_GROUP) {
+        int G = g_end - g0 < MAX_GROUP ? g_end - g0 : MAX_GROUP, head = h * group + g0;
+        attend_group(j->q + ((size_t)r * n_heads + head) * hd, G, j->kt + (size_t)h * hd * j->cap + first,
+                     j->v + ((size_t)h * j->cap + first) * hd, n, tail, n_tail, j->cap, hd,
+                     j->out + ((size_t)r * n_heads + head) * hd);
+    }
+}
+
+/* Several sequences' attention in one layer, as rope_attend_f32 would give each alone. Their rows'
+ * projections, then their units, are each one pool of work that the threads share: a decode step
+ * of N sequences is N x n_kv units in one parallel loop, not N loops of n_kv units (3 units on 2
+ * threads left one idle a third of the time, and each loop paid its own start and barrier). A
+ * unit's bits do not depend on the thread or on the other units, so neither does anything here.
+ * The units go dynamically: sequences of different lengths make units of different sizes. */
+void rope_attend_batch(AttendJob *jobs, int n_jobs, int n_heads, int n_kv, int hd, float scale) {
+    int width = (n_heads + 2 * n_kv) * hd, rows = 0;
+    for (int i = 0; i < n_jobs; i++) {
+        job_prepare(&jobs[i], n_heads, hd);
+        rows += jobs[i].rows;
+    }
+    int *row_job = malloc(sizeof(int) * (size_t)rows), *row_index = malloc(sizeof(int) * (size_t)rows);
+    for (int i = 0, k = 0; i < n_jobs; i++)
+        for (int r = 0; r < jobs[i].rows; r++, k++) row_job[k] = i, row_index[k] = r;
 #pragma omp parallel if (rows >= ROWS_PARALLEL)
     {
         float *row = malloc(sizeof(float) * width), *sq = malloc(sizeof(float) * hd);
 #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++)
-            project_row(qkv + (size_t)r * width, a, start + depth[r], start + r - a->base,
-                        q + (size_t)r * n_heads * hd, kt, v, cap, n_heads, n_kv, hd, scale, row, sq);
+        for (int k = 0; k < rows; k++) {
+            AttendJob *j = &jobs[row_job[k]];
+            int r = row_index[k];
+            project_row(j->qkv + (size_t)r * width, &j->a, j->start + j->depth[r], j->start + r - j->a.base,
+                        j->q + (size_t)r * n_heads * hd, j->kt, j->v, j->cap, n_heads, n_kv, hd, scale, row, sq);
+        }
         free(sq);
         free(row);
     }
-    /* Each row's first visible position; a tree row's tail: the slots of its path from the first
-     * visible ancestor (root first) down to itself, as offsets from that first position. */
-    int *lo = malloc(sizeof(int) * (size_t)rows), *paths = NULL, *skip = NULL;
-    for (int r = 0; r < rows; r++) {
-        int pos = start + depth[r];
-        lo[r] = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+    int units = 0;
+    size_t work = 0;
+    for (int i = 0; i < n_jobs; i++) {
+        job_layout(&jobs[i], n_heads, n_kv);
+        units += jobs[i].units;
+        work += (size_t)n_kv * jobs[i].rows * (n_heads / n_kv) * (jobs[i].start + jobs[i].rows) * hd;
     }
-    if (parents != NULL) {
-        paths = malloc(sizeof(int) * (size_t)rows * rows);
-        skip = malloc(sizeof(int) * (size_t)rows);
-        for (int r = 0; r < rows; r++) {
-            skip[r] = lo[r] > start ? lo[r] - start : 0;
-            for (int x = r, d = depth[r]; x >= 0; x = parents[x], d--) paths[(size_t)r * rows + d] = start + x - lo[r];
-        }
+    int *unit_job = malloc(sizeof(int) * (size_t)units), *unit_index = malloc(sizeof(int) * (size_t)units);
+    for (int i = 0, k = 0; i < n_jobs; i++)
+        for (int u = 0; u < jobs[i].units; u++, k++) unit_job[k] = i, unit_index[k] = u;
+#pragma omp parallel for schedule(dynamic) if (units > 1 && work > 32768)
+    for (int k = 0; k < units; k++) job_unit(&jobs[unit_job[k]], unit_index[k], n_heads, n_kv, hd);
+    free(unit_index);
+    free(unit_job);
+    free(row_index);
+    free(row_job);
+    for (int i = 0; i < n_jobs; i++) {
+        AttendJob *j = &jobs[i];
+        free(j->skip);
+        free(j->paths);
+        free(j->lo);
+        free(j->depth);
+        free(j->q);
     }
-    /* A unit: one row's queries of one kv head, or half of them where there would be only one unit
-     * (one row, one kv head: Gemma 3's decode step), so both threads attend. A head's bits do not
-     * depend on which heads share its group (score_block, weigh_values). */
-    int chunk = n_kv * rows == 1 && group > 1 ? (group + 1) / 2 : MAX_GROUP;
-    int per_kv = (group + chunk - 1) / chunk, units = n_kv * rows * per_kv;
-    size_t work = (size_t)n_kv * rows * group * (start + rows) * hd;
-#pragma omp parallel for schedule(static) if (units > 1 && work > 32768)
-    for (int unit = 0; unit < units; unit++) {
-        int part = unit % per_kv, h = unit / per_kv % n_kv, r = unit / per_kv / n_kv, first = lo[r] - a->base;
-        int n = paths ? (start > lo[r] ? start - lo[r] : 0) : start + r + 1 - lo[r];
-        int n_tail = paths ? depth[r] + 1 - skip[r] : 0;
-        const int *tail = paths ? paths + (size_t)r * rows + skip[r] : NULL;
-        int g_end = (part + 1) * chunk < group ? (part + 1) * chunk : group;
-        for (int g0 = part * chunk; g0 < g_end; g0 += MAX_GROUP) {
-            int G = g_end - g0 < MAX_GROUP ? g_end - g0 : MAX_GROUP, head = h * group + g0;
-            attend_group(q + ((size_t)r * n_heads + head) * hd, G, kt + (size_t)h * hd * cap + first,
-                         v + ((size_t)h * cap + first) * hd, n, tail, n_tail, cap, hd,
-                         out + ((size_t)r * n_heads + head) * hd);
-        }
-    }
-    free(skip);
-    free(paths);
-    free(lo);
-    free(depth);
-    free(q);
 }
