@@ -10,8 +10,8 @@ fixed text (llama.cpp's ids of it).
   quantized activations or KV cache on either side, so what could differ is the family's rules
   (window, local RoPE base, QK-norm, post-norms, GeGLU, scales). They must agree closely.
 - The runtime users run (`load_model(path)`) against llama.cpp on the file itself: both quantize
-  activations (llama.cpp per 256 values for K-quants, with a float16 KV cache; ours per 32), so
-  they may part where two tokens nearly tie, and their logits differ by tenths.
+  activations (llama.cpp per 256 values for K-quants, ours per 32) and keep a float16 KV cache,
+  so they may part where two tokens nearly tie, and their logits differ by tenths.
 
 Each prompt is teacher-forced on llama.cpp's greedy tokens in one block: our argmax must pick each of
 them up to the first place where the two runtimes part. On a row-invariant runtime (the native
@@ -39,11 +39,15 @@ PROMPTS = range(len(ANSWERS["rows"]))
 # prompt, first-position logits within 0.013 (scale 20-32) and perplexity within 0.01%.
 EXACT = {"near_tie": 0.05, "first_logits": 0.05, "perplexity": 0.001}
 # The runtime against llama.cpp on the Q4_K_M file: its partings fall where the two margins sum to
-# at most 0.35 (the two tokens' difference moved by that much), and at the first position the
+# at most 0.55 (the two tokens' difference moved by that much), and at the first position the
 # difference of the top two logits already moves by up to 0.26 between the runtimes, so a sum of
-# 0.5 is their noise; the top 64 first logits differed by at most 0.91. A wrong rule moves logits
-# by whole units. Perplexity: the runtime's, within 1% of the float32 oracle's (measured -0.005%).
-QUANTIZED = {"flip": 0.5, "first_logits": 1.5, "perplexity": 0.01}
+# 0.6 is their noise; the top 64 first logits differ by at most 0.76. A wrong rule moves logits
+# by whole units. Perplexity: the runtime's, within 1% of the float32 oracle's (measured -0.15%).
+# Measured with the float16 KV cache (kernels.h's kv_t, as llama.cpp's): against the float32 cache
+# it took the largest first-logit difference from 0.91 to 0.76 (closer on 6 of the 8 prompts) and
+# left 3 prompts unparted instead of 2, but moved prompt 5's parting (at token 49 either way) from a
+# margin sum of 0.29 to 0.53.
+QUANTIZED = {"flip": 0.6, "first_logits": 1.5, "perplexity": 0.01}
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ def load_native(path: Path) -> FastModel:
     description = (
         f"native q8: layer weights {'/'.join(kinds)} ({requantized_note(manifest['requantized'])}), head "
         f"{head.kind}, activations int8 per 32 into every product with exact integer sums, "
-        f"f32 residual/norm/RoPE/attention/KV; {'AVX512-VNNI' if vnni() else 'portable C'} products"
+        f"f32 residual/norm/RoPE/attention, f16 KV; {'AVX512-VNNI' if vnni() else 'portable C'} products"
     )
     return FastModel(
         cfg, layers, np.asarray(arrays["out_norm"]), head,
@@ -166,7 +166,7 @@ def load_torch(path: Path, weight_format: str) -> FastModel:
     description = (
         f"torch {torch.__version__} {weight_format}: layer weights "
         f"{'int4 g32 with bf16 scale/zero' if weight_format == 'int4' else 'bf16'}, bf16 activations into "
-        f"the layer products, native Q8_0 head on int8 activations, f32 residual/norm/RoPE/attention/KV"
+        f"the layer products, native Q8_0 head on int8 activations, f32 residual/norm/RoPE/attention, f16 KV"
     )
     return FastModel(
         cfg, layers, flat["out_norm"], flat["head"], flat["rope"], embed, tokenizer,

@@ -8,6 +8,12 @@
  * Below that the work is smaller than waking a thread. */
 #define ROWS_PARALLEL 32
 
+/* A KV cache element: an IEEE half. Each key and value is rounded to it once, when its row writes
+ * it (round to nearest even, the same on every path: F16C, AVX-512 or the compiler's own code), and
+ * read back exactly. Attention over a long context is bound by reading the cache; halves read half
+ * the bytes, and a cache takes half the memory. */
+typedef _Float16 kv_t;
+
 /* A layer's attention: where its K/V live and what it adds to the llama block. */
 typedef struct {
     const float *bias;           /* the fused projection's bias, or NULL */
@@ -24,7 +30,7 @@ void add_f32(float *x, const float *delta, int n);
 void silu_mul_f32(const float *gate_up, int rows, int ff, float *out);
 void gelu_mul_f32(const float *gate_up, int rows, int ff, float *out);
 void rope_attend_f32(const float *qkv, const AttendSpec *a, int rows, int start, const int *parents,
-                     float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out);
+                     kv_t *kt, kv_t *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out);
 
 /* One sequence's attention in one layer: rope_attend_f32's arguments, then what rope_attend_batch
  * lays out for its units (set there, freed there). */
@@ -33,7 +39,7 @@ typedef struct {
     AttendSpec a;
     int rows, start;
     const int *parents;
-    float *kt, *v;
+    kv_t *kt, *v;
     int cap;
     float *out;
     float *q;                       /* the rows' rotated, scaled queries */

@@ -36,8 +36,8 @@ typedef struct {
 typedef struct {
     int first_row, rows, start;      /* its rows in the batch, its cache length */
     int cap, local_cap, base;        /* its buffers' capacities; the position local slot 0 holds */
-    float *kt, *v;                   /* global layer 0 of its cache; layer i is i * n_kv * hd * cap further */
-    float *local_kt, *local_v;       /* the sliding-window layers' buffer, as kt, v with local_cap */
+    kv_t *kt, *v;                    /* global layer 0 of its cache; layer i is i * n_kv * hd * cap further */
+    kv_t *local_kt, *local_v;        /* the sliding-window layers' buffer, as kt, v with local_cap */
     const int *parents;              /* NULL for a chain; a token tree's parent rows (rope_attend_f32) */
 } Sequence;
 

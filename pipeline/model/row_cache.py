@@ -44,10 +44,14 @@ def layer_slots(cfg: ModelConfig) -> list[tuple[bool, int]]:
             for layer, is_local in enumerate(local)]  # fmt: skip
 
 
+KV_DTYPE = np.float16  # kernels.h's kv_t: each key and value rounded once, when written
+
+
 class RowCache(KVCache):
-    """keys (layers, n_kv, head_dim, stride), values (layers, n_kv, stride, head_dim), float32, numpy
-    so the kernels take their addresses directly; `k`/`v` hold the global layers, `local_k`/`local_v`
-    the sliding-window layers (none when the model has none), slot s there holding position base + s.
+    """keys (layers, n_kv, head_dim, stride), values (layers, n_kv, stride, head_dim), IEEE halves
+    (`KV_DTYPE`), numpy so the kernels take their addresses directly; `k`/`v` hold the global layers,
+    `local_k`/`local_v` the sliding-window layers (none when the model has none), slot s there
+    holding position base + s.
     """
 
     def __init__(self, cfg: ModelConfig, capacity: int = 256) -> None:
@@ -55,14 +59,14 @@ class RowCache(KVCache):
         self.slots = layer_slots(cfg)
         self.n_local = sum(local for local, _ in self.slots)
         self.base, self.local_capacity, self.local_stride = 0, 0, 0
-        self.local_k = self.local_v = np.zeros((0, cfg.n_kv_heads, cfg.head_dim, 1), np.float32)
+        self.local_k = self.local_v = np.zeros((0, cfg.n_kv_heads, cfg.head_dim, 1), KV_DTYPE)
         super().__init__(cfg, capacity)
 
     def _alloc(self, capacity: int) -> None:
         c, n_global = self.cfg, self.cfg.n_layers - self.n_local
         stride = _stride(capacity)
-        k = np.zeros((n_global, c.n_kv_heads, c.head_dim, stride), np.float32)
-        v = np.zeros((n_global, c.n_kv_heads, stride, c.head_dim), np.float32)
+        k = np.zeros((n_global, c.n_kv_heads, c.head_dim, stride), KV_DTYPE)
+        v = np.zeros((n_global, c.n_kv_heads, stride, c.head_dim), KV_DTYPE)
         if self.length:
             k[..., : self.length] = self.k[..., : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]
@@ -73,8 +77,8 @@ class RowCache(KVCache):
     def _alloc_local(self, capacity: int, keep_from: int) -> None:
         """A local buffer of `capacity` slots holding positions [keep_from, length) from slot 0."""
         c, stride = self.cfg, _stride(capacity)
-        k = np.zeros((self.n_local, c.n_kv_heads, c.head_dim, stride), np.float32)
-        v = np.zeros((self.n_local, c.n_kv_heads, stride, c.head_dim), np.float32)
+        k = np.zeros((self.n_local, c.n_kv_heads, c.head_dim, stride), KV_DTYPE)
+        v = np.zeros((self.n_local, c.n_kv_heads, stride, c.head_dim), KV_DTYPE)
         held = slice(keep_from - self.base, self.length - self.base)
         if held.stop > held.start:
             k[..., : held.stop - held.start] = self.local_k[..., held]

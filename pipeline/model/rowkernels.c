@@ -150,22 +150,22 @@ static void rope_head(float *v, const float *cos, const float *sin, int hd) {
 #define KEYS 32
 #define MAX_GROUP 8
 #define INLINE static inline __attribute__((always_inline))
-INLINE void score_block_g(const float *const *q, const int G, const float *kt, int cap, int hd, int j0,
+INLINE void score_block_g(const float *const *q, const int G, const kv_t *kt, int cap, int hd, int j0,
                           int width, float *const *scores) {
     float s[MAX_GROUP][KEYS];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < KEYS; j++) s[g][j] = 0.0f;
     for (int i = 0; i < hd; i++) {
-        const float *krow = kt + (size_t)i * cap + j0;
+        const kv_t *krow = kt + (size_t)i * cap + j0;
         /* The next block's keys in this row: head_dim rows far apart are more streams than the
          * hardware prefetchers follow, and without this the loads wait on memory. */
         __builtin_prefetch(krow + KEYS);
         __builtin_prefetch(krow + KEYS + 16);
         float k[KEYS];
         if (width == KEYS)
-            memcpy(k, krow, sizeof k);
+            for (int j = 0; j < KEYS; j++) k[j] = (float)krow[j];
         else
-            for (int j = 0; j < KEYS; j++) k[j] = j < width ? krow[j] : 0.0f;
+            for (int j = 0; j < KEYS; j++) k[j] = j < width ? (float)krow[j] : 0.0f;
         for (int g = 0; g < G; g++) {
             float qi = q[g][i];
             for (int j = 0; j < KEYS; j++) s[g][j] = fmaf(qi, k[j], s[g][j]);
@@ -175,7 +175,7 @@ INLINE void score_block_g(const float *const *q, const int G, const float *kt, i
 }
 
 /* One copy of the body per group size, so the compiler keeps the G x 32 sums in registers. */
-static void score_block(const float *const *q, int G, const float *kt, int cap, int hd, int j0, int width,
+static void score_block(const float *const *q, int G, const kv_t *kt, int cap, int hd, int j0, int width,
                         float *const *scores) {
     switch (G) {
     case 1: score_block_g(q, 1, kt, cap, hd, j0, width, scores); break;
@@ -192,21 +192,21 @@ static void score_block(const float *const *q, int G, const float *kt, int cap, 
  * the G x VALUES sums stay in registers. */
 #define MAX_HEAD_DIM 256
 #define VALUES 32
-INLINE void weigh_values_g(float *const *weights, const int G, const float *v, int n, const int *tail,
+INLINE void weigh_values_g(float *const *weights, const int G, const kv_t *v, int n, const int *tail,
                            int n_tail, int hd, const float *inv, float *out) {
     for (int c = 0; c < hd; c += VALUES) {
         float acc[MAX_GROUP][VALUES];
         for (int g = 0; g < G; g++)
             for (int i = 0; i < VALUES; i++) acc[g][i] = 0.0f;
         for (int j = 0; j < n + n_tail; j++) {
-            const float *vj = v + (size_t)(j < n ? j : tail[j - n]) * hd + c;
+            const kv_t *vj = v + (size_t)(j < n ? j : tail[j - n]) * hd + c;
             if (j + 8 < n) {
                 __builtin_prefetch(vj + 8 * (size_t)hd);
                 __builtin_prefetch(vj + 8 * (size_t)hd + 16);
             }
             for (int g = 0; g < G; g++) {
                 float w = weights[g][j];
-                for (int i = 0; i < VALUES; i++) acc[g][i] = fmaf(w, vj[i], acc[g][i]);
+                for (int i = 0; i < VALUES; i++) acc[g][i] = fmaf(w, (float)vj[i], acc[g][i]);
             }
         }
         for (int g = 0; g < G; g++)
@@ -214,7 +214,7 @@ INLINE void weigh_values_g(float *const *weights, const int G, const float *v, i
     }
 }
 
-static void weigh_values(float *const *weights, int G, const float *v, int n, const int *tail, int n_tail,
+static void weigh_values(float *const *weights, int G, const kv_t *v, int n, const int *tail, int n_tail,
                          int hd, const float *inv, float *out) {
     if (hd % VALUES == 0 && G <= 4) {
         switch (G) {
@@ -228,20 +228,23 @@ static void weigh_values(float *const *weights, int G, const float *v, int n, co
     for (int g = 0; g < G; g++)
         for (int i = 0; i < hd; i++) acc[g][i] = 0.0f;
     for (int j = 0; j < n + n_tail; j++) {
-        const float *vj = v + (size_t)(j < n ? j : tail[j - n]) * hd;
+        const kv_t *vj = v + (size_t)(j < n ? j : tail[j - n]) * hd;
         for (int g = 0; g < G; g++) {
             float w = weights[g][j];
-            for (int i = 0; i < hd; i++) acc[g][i] = fmaf(w, vj[i], acc[g][i]);
+            for (int i = 0; i < hd; i++) acc[g][i] = fmaf(w, (float)vj[i], acc[g][i]);
         }
     }
     for (int g = 0; g < G; g++)
         for (int i = 0; i < hd; i++) out[(size_t)g * hd + i] = acc[g][i] * inv[g];
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 stored halves as floats: exact, as (float) is in the scalar code. */
+static inline __m512 halves16(const kv_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
 /* SmolLM2's shape (3 heads per kv head, head_dim 64) in AVX-512 registers: the same fma chains as
  * score_block and weigh_values (a masked load zeroes the lanes past the last key), so the same bits. */
-static void scores_3x64(const float *const *q, const float *kt, int cap, int n, float *const *scores) {
+static void scores_3x64(const float *const *q, const kv_t *kt, int cap, int n, float *const *scores) {
     /* 32 keys a step: six independent fma chains, enough to hide the fma latency that three
      * chains of 64 dependent steps would wait on */
     for (int j0 = 0; j0 < n; j0 += 32) {
@@ -256,7 +259,7 @@ static void scores_3x64(const float *const *q, const float *kt, int cap, int n, 
         for (int i = 0; i < 64; i++) {
             __m512 q0 = _mm512_set1_ps(q[0][i]), q1 = _mm512_set1_ps(q[1][i]), q2 = _mm512_set1_ps(q[2][i]);
             for (int h = 0; h < 2; h++) {
-                __m512 k = _mm512_maskz_loadu_ps(lanes[h], kt + (size_t)i * cap + j0 + 16 * h);
+                __m512 k = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes[h], kt + (size_t)i * cap + j0 + 16 * h));
                 s[h][0] = _mm512_fmadd_ps(q0, k, s[h][0]);
                 s[h][1] = _mm512_fmadd_ps(q1, k, s[h][1]);
                 s[h][2] = _mm512_fmadd_ps(q2, k, s[h][2]);
@@ -267,15 +270,14 @@ static void scores_3x64(const float *const *q, const float *kt, int cap, int n, 
     }
 }
 
-static void values_3x64(float *const *weights, const float *v, int n, const int *tail, int n_tail,
+static void values_3x64(float *const *weights, const kv_t *v, int n, const int *tail, int n_tail,
                         const float *inv, float *out) {
     __m512 acc[3][4];
     for (int g = 0; g < 3; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
     for (int j = 0; j < n + n_tail; j++) {
-        const float *vj = v + (size_t)(j < n ? j : tail[j - n]) * 64;
-        __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
-               v3 = _mm512_loadu_ps(vj + 48);
+        const kv_t *vj = v + (size_t)(j < n ? j : tail[j - n]) * 64;
+        __m512 v0 = halves16(vj), v1 = halves16(vj + 16), v2 = halves16(vj + 32), v3 = halves16(vj + 48);
         for (int g = 0; g < 3; g++) {
             __m512 w = _mm512_set1_ps(weights[g][j]);
             acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
@@ -293,16 +295,16 @@ static void values_3x64(float *const *weights, const float *v, int n, const int 
 
 /* The score of one key slot: the same fma chain over head_dim as a lane of score_block or
  * scores_3x64, so a key reached through a tree's slot list scores exactly as in a contiguous run. */
-static float score_slot(const float *q, const float *kt, int cap, int hd, int slot) {
+static float score_slot(const float *q, const kv_t *kt, int cap, int hd, int slot) {
     float s = 0.0f;
-    for (int i = 0; i < hd; i++) s = fmaf(q[i], kt[(size_t)i * cap + slot], s);
+    for (int i = 0; i < hd; i++) s = fmaf(q[i], (float)kt[(size_t)i * cap + slot], s);
     return s;
 }
 
 /* softmax(q K^T) V for the G heads of one kv head and one row, q already scaled, over the keys in
  * slots 0..n-1 followed by the slots listed in tail (a tree row's ancestors and itself): in that
  * order, so a row whose tail is its contiguous chain computes the same bits as without a tail. */
-static void attend_group(const float *q, int G, const float *kt, const float *v, int n, const int *tail,
+static void attend_group(const float *q, int G, const kv_t *kt, const kv_t *v, int n, const int *tail,
                          int n_tail, int cap, int hd, float *out) {
     const float *qs[MAX_GROUP];
     float *scores[MAX_GROUP];
@@ -352,8 +354,8 @@ static void norm_rope_head(float *x, const float *w, float eps, float *sq, const
 }
 
 /* Row r's bias, QK-norm and RoPE: its queries (scaled) into q, its K/V into slot `slot`. */
-static void project_row(const float *src_in, const AttendSpec *a, int pos, int slot, float *q, float *kt,
-                        float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *row, float *sq) {
+static void project_row(const float *src_in, const AttendSpec *a, int pos, int slot, float *q, kv_t *kt,
+                        kv_t *v, int cap, int n_heads, int n_kv, int hd, float scale, float *row, float *sq) {
     int half = hd / 2, width = (n_heads + 2 * n_kv) * hd;
     for (int i = 0; i < width; i++) row[i] = src_in[i] + (a->bias ? a->bias[i] : 0.0f);
     const float *c = a->cos + (size_t)pos * half, *s = a->sin + (size_t)pos * half;
@@ -366,8 +368,8 @@ static void project_row(const float *src_in, const AttendSpec *a, int pos, int s
     for (int h = 0; h < n_kv; h++) {
         float *kh = row + (size_t)(n_heads + h) * hd;
         norm_rope_head(kh, a->k_norm, a->eps, sq, c, s, hd);
-        for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + slot] = kh[i];
-        for (int i = 0; i < hd; i++) v[((size_t)h * cap + slot) * hd + i] = row[(n_heads + n_kv + h) * hd + i];
+        for (int i = 0; i < hd; i++) kt[((size_t)h * hd + i) * cap + slot] = (kv_t)kh[i];
+        for (int i = 0; i < hd; i++) v[((size_t)h * cap + slot) * hd + i] = (kv_t)row[(n_heads + n_kv + h) * hd + i];
     }
 }
 
@@ -391,7 +393,7 @@ static void project_row(const float *src_in, const AttendSpec *a, int pos, int s
  * bits do not depend on whether a window buffer was compacted.
  */
 void rope_attend_f32(const float *qkv, const AttendSpec *a, int rows, int start, const int *parents,
-                     float *kt, float *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out) {
+                     kv_t *kt, kv_t *v, int cap, int n_heads, int n_kv, int hd, float scale, float *out) {
     AttendJob job = {qkv, *a, rows, start, parents, kt, v, cap, out};
     rope_attend_batch(&job, 1, n_heads, n_kv, hd, scale);
 }
