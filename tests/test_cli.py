@@ -37,6 +37,15 @@ def test_generate_json_matches_reference():
 
 
 def test_streamed_text_equals_json_text(tmp_path):
+    """The two outputs of `generate` (streamed text, JSON) are one greedy decode on the default backend:
+    the chat template's ids are HF transformers', and the tokens the in-process decoder's. Not HF's
+    tokens: the native backend quantizes activations and keeps a float16 KV cache, and at token 16 its
+    top two logits are 0.005 apart, where it parts from float32 HF."""
+    from pipeline.decoding.drafters import NoDraftSource
+    from pipeline.decoding.sampling import SamplingParams
+    from pipeline.decoding.speculative import decode
+    from pipeline.model import default_model_path, load_model
+
     messages = tmp_path / "m.json"
     messages.write_text(
         json.dumps([{"role": "user", "content": "What is the tallest mountain in the world?"}])
@@ -48,7 +57,10 @@ def test_streamed_text_equals_json_text(tmp_path):
     assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
     out = json.loads(as_json.stdout)
     assert out["prompt_tokens"] == REFERENCE["d"]["prompt_ids"]
-    assert out["tokens"] == REFERENCE["d"]["greedy_ids"][:24]
+    plain = decode(
+        load_model(default_model_path()), out["prompt_tokens"], SamplingParams(max_tokens=24), NoDraftSource()
+    )
+    assert out["tokens"] == plain.tokens
     assert streamed.stdout == out["text"] + "\n"
 
 
