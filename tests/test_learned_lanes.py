@@ -20,6 +20,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.audit.verify import verify_request
 from pipeline.decoding.drafters import NoDraftSource, Proposal
@@ -45,7 +47,7 @@ from pipeline.protocol.messages import (
 from pipeline.service.launch import launch
 from pipeline.training.prompts import prompts
 from pipeline.workers.draft_server import DraftServer
-from pipeline.workers.driver import MAX_KEPT_FEATURES, kept_features
+from pipeline.workers.kept_features import MAX_KEPT_FEATURES, KeptFeatures, kept_features
 from pipeline.workers.verifier import Verifier
 
 from .orchestration_harness import FakeLane, World
@@ -258,16 +260,40 @@ def rows(start: int, n: int, width: int = 3) -> Rows:
     return Rows.of(np.arange(start, start + n, dtype=np.float32)[:, None].repeat(width, 1))
 
 
-def test_the_orchestrator_joins_features_until_a_draft_request_takes_them():
+def test_a_request_keeps_features_until_a_draft_request_takes_them():
     kept = kept_features(None, 0, rows(0, 5))
     kept = kept_features(kept, 5, rows(5, 2))  # a step that drafted nothing: they continue
-    assert kept is not None and kept[0] == 0 and np.array_equal(kept[1].array()[:, 0], np.arange(7))
+    assert kept is not None and kept.taken()[0] == 0
+    assert np.array_equal(kept.taken()[1].array()[:, 0], np.arange(7))
     kept = kept_features(kept, 6, rows(6, 3))  # overlapping (a re-sent step): the newer rows win
-    assert kept is not None and kept[0] == 0 and kept[1].shape == (9, 3)
-    assert kept_features(kept, 20, rows(20, 1))[0] == 20  # type: ignore[index]  # a gap: they restart
-    assert kept_features(kept, 0, Rows((2, 3), b"bad")) == kept  # bytes that do not fit: none
+    assert kept is not None and kept.taken()[0] == 0 and kept.taken()[1].shape == (9, 3)
+    assert kept_features(kept, 20, rows(20, 1)).taken()[0] == 20  # type: ignore[union-attr]  # a gap: restart
+    assert kept_features(kept, 0, Rows((2, 3), b"bad")) is kept  # bytes that do not fit: none
     many = kept_features(None, 0, rows(0, MAX_KEPT_FEATURES + 10))
-    assert many is not None and many[0] == 10 and many[1].shape[0] == MAX_KEPT_FEATURES
+    assert many is not None and many.taken()[0] == 10 and many.taken()[1].shape[0] == MAX_KEPT_FEATURES
+
+
+STEPS = st.tuples(st.integers(-6, 2), st.integers(0, 9), st.sampled_from([3, 3, 3, 2]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(STEPS, max_size=60), limit=st.integers(1, 30))
+def test_kept_features_are_each_positions_latest_row(steps, limit):
+    """Against a plain list: a step whose rows start inside or right after what is kept overwrites
+    from its position on; a gap or another width starts again; the latest `limit` rows stay."""
+    kept: KeptFeatures | None = None
+    start, values, width = 0, [], 0  # the plain model: positions start, start + 1, ...
+    for number, (offset, n, w) in enumerate(steps):
+        at = max(0, start + len(values) + offset)  # around the end: overlaps, continuations, gaps
+        kept = kept_features(kept, at, rows(1000 * number + at, n, w), limit)
+        if number == 0 or w != width or not start <= at <= start + len(values):
+            start, values = at, []
+        values = values[: at - start] + [1000 * number + at + i for i in range(n)]
+        start, values, width = start + max(0, len(values) - limit), values[-limit:] if values else [], w
+        assert kept is not None
+        first, got = kept.taken()
+        assert (first, got.shape) == (start, (len(values), w))
+        assert np.array_equal(got.array()[:, 0], values)
 
 
 # --- the orchestrator with both lane cores --------------------------------------------------------

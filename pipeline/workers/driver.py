@@ -44,11 +44,8 @@ from pipeline.protocol.messages import (
     Verify,
 )
 from pipeline.protocol.replay import apply
+from pipeline.workers.kept_features import KeptFeatures, kept_features
 from pipeline.workers.reporting import LaneReporter, origin_of
-
-# The target's features a request keeps for its drafter while no DraftRequest takes them (steps that
-# draft nothing, a draft lane that is down): the latest, a bounded history for a learned drafter.
-MAX_KEPT_FEATURES = 2048
 
 
 class DraftLane:
@@ -114,7 +111,7 @@ class Driver:
         self.held = False  # a step is planned but waits for the journal to catch up
         self.over = False
         self.neighbours = 0  # other requests sharing the forwards (set by the core)
-        self.features: tuple[int, Rows] | None = None  # (position, rows) for the next DraftRequest
+        self.features: KeptFeatures | None = None  # for the next DraftRequest (`kept_features`)
 
     @property
     def id(self) -> str:
@@ -232,7 +229,7 @@ class Driver:
         assert planned is not None
         if planned.want == 0 or not self.draft_lane.usable(now, session.drafter):
             return self._verify_step(now)
-        features_at, features = self.features or (0, None)
+        features_at, features = self.features.taken() if self.features is not None else (0, None)
         planned.draft_started = now
         opened = self.opened
         self.pending = DraftRequest(
@@ -297,24 +294,6 @@ def matches(pending: Open | DraftRequest | Verify, reply: Opened | Verified | Dr
         return reply.origin == origin_of(pending)
     expected = {Open: Opened, Verify: Verified, DraftRequest: Drafted}[type(pending)]
     return isinstance(reply, expected)
-
-
-def kept_features(kept: tuple[int, Rows] | None, at: int, rows: Rows) -> tuple[int, Rows] | None:
-    """`rows` (the target's features at positions [at, ...)) after those kept: joined to them where they
-    continue or overlap them (steps that asked for no draft), else in their place (a gap: the drafter
-    starts its history again there). At most MAX_KEPT_FEATURES, the latest; rows whose bytes do not
-    fit their shape are none."""
-    n, width = rows.shape
-    size = width * 4
-    if width <= 0 or at < 0 or rows.problem() is not None:
-        return kept
-    if kept is not None and kept[1].shape[1] == width and kept[0] <= at <= kept[0] + kept[1].shape[0]:
-        data = kept[1].data[: (at - kept[0]) * size] + rows.data
-        at, n, rows = kept[0], len(data) // size, Rows((len(data) // size, width), data)
-    if n > MAX_KEPT_FEATURES:
-        cut = n - MAX_KEPT_FEATURES
-        at, rows = at + cut, Rows((MAX_KEPT_FEATURES, width), rows.data[cut * size :])
-    return at, rows
 
 
 def verified_part(planned: Planned, verified: list[int] | None) -> Planned:
