@@ -1,11 +1,11 @@
 """The target's features a request keeps for its drafter while no DraftRequest takes them.
 
 Each decided step brings the features of the positions it kept (`Verified.features`), and a step
-that asks for no draft (the controller found none worth it, or a crowded forward had no room) leaves
-them for the next DraftRequest, which takes them all at once. So the history is kept as the chunks
-the steps sent and joined once, when taken: joining at every step copied the whole history each
-time, up to MAX_KEPT_FEATURES rows of 2,304 bytes for the default model, 4.7 MB a step for every
-request that had not drafted for 2,048 tokens.
+that asks for no draft (the controller found none worth it, a crowded forward had no room, or the
+draft lane is down) leaves them for the next DraftRequest, which takes them all at once. So the
+history is kept as the chunks the steps sent and joined once, when taken: joining at every step
+copied the whole history each time, up to MAX_KEPT_FEATURES rows of 2,304 bytes for the default
+model, 4.7 MB a step for every request that had not drafted for 2,048 tokens.
 """
 
 from __future__ import annotations
