@@ -16,7 +16,6 @@ from pipeline.protocol.messages import Rows
 
 # The latest rows kept: a bounded history for a learned drafter.
 MAX_KEPT_FEATURES = 2048
-FLOAT_BYTES = 4
 
 
 @dataclass
@@ -39,8 +38,7 @@ class KeptFeatures:
             self.rows -= self.chunks.pop().shape[0]
         if self.rows > n:
             last = self.chunks.pop()
-            kept = last.shape[0] - (self.rows - n)
-            self.chunks.append(Rows((kept, self.width), last.data[: kept * self.width * FLOAT_BYTES]))
+            self.chunks.append(Rows.of(last.array()[: last.shape[0] - (self.rows - n)]))
             self.rows = n
 
     def keep_last(self, n: int) -> None:
@@ -49,9 +47,8 @@ class KeptFeatures:
             dropped = self.chunks.pop(0).shape[0]
             self.rows, self.at = self.rows - dropped, self.at + dropped
         if self.rows > n:
-            first, cut = self.chunks[0], self.rows - n
-            rest = first.data[cut * self.width * FLOAT_BYTES :]
-            self.chunks[0] = Rows((first.shape[0] - cut, self.width), rest)
+            cut = self.rows - n
+            self.chunks[0] = Rows.of(self.chunks[0].array()[cut:])
             self.rows, self.at = n, self.at + cut
 
 
