@@ -26,6 +26,7 @@ from pipeline.protocol.messages import DraftRequest, Reported, VerifyInbox
 from pipeline.protocol.transport import Inbox, Outbox
 from pipeline.workers.draft_server import DraftServer, lane_sources
 from pipeline.workers.driver import Out
+from pipeline.workers.loop_phases import LoopPhase, Stopwatch
 from pipeline.workers.verifier import Verifier, runtime_report
 from pipeline.workers.verify_core import VerifyCore, reports_now
 
@@ -36,9 +37,9 @@ DRAFT_BUFFER = 256  # draft requests the draft lane's socket holds while its pip
 class VerifyLane:
     """The sockets around the core: the inbox, the draft lane's socket and the orchestrator's."""
 
-    def __init__(self, lane: LaneContext, core: VerifyCore) -> None:
+    def __init__(self, lane: LaneContext, core: VerifyCore, watch: Stopwatch) -> None:
         config = lane.config
-        self.lane, self.core, self.config = lane, core, config
+        self.lane, self.core, self.config, self.watch = lane, core, config, watch
         self.inbox: Inbox = Inbox(config.bind("verify"), VerifyInbox, config.tls)
         self.results = lane.replies()
         self.drafts = Outbox(config.addresses.draft, config.tls, buffer=DRAFT_BUFFER)
@@ -50,6 +51,10 @@ class VerifyLane:
         """Draft requests at once; decided steps every `run.report_interval_seconds` while the lane
         keeps decoding, and all of them as soon as it has nothing queued or one of them is a first
         token, a last step or a failure (`reports_now`)."""
+        with self.watch.phase(LoopPhase.REPORT):
+            await self._send(out)
+
+    async def _send(self, out: list[Out]) -> None:
         self.urgent = self.urgent or reports_now(out)
         for item in out:
             if item.lane != "draft":
@@ -63,7 +68,8 @@ class VerifyLane:
             reported = bool(self.reported)
             await self.report()
             if reported and run.report_pause_seconds > 0 and self.core.has_work():
-                await trio.sleep(run.report_pause_seconds)  # their readers run now, not inside a forward
+                with self.watch.phase(LoopPhase.PAUSE):  # their readers run now, not inside a forward
+                    await trio.sleep(run.report_pause_seconds)
 
     async def report(self) -> None:
         """Everything decided since the last report, as one message (one a step cost the orchestrator
@@ -89,21 +95,26 @@ class VerifyLane:
 
     async def run(self) -> None:
         core, inbox, window = self.core, self.inbox, self.config.run.batch_window_seconds
+        phase = self.watch.phase
         while True:
             core.draft_lane.connected = self.drafts.connected()
             if core.has_work():
-                await trio.sleep(0)  # let the heartbeat run between forwards
-                await self.receive(inbox.ready())
+                with phase(LoopPhase.CHECKPOINT):
+                    await trio.sleep(0)  # let the heartbeat run between forwards
+                    await self.receive(inbox.ready())
             else:
-                with trio.move_on_at(core.next_deadline()):
+                with phase(LoopPhase.HELD if core.drivers else None), trio.move_on_at(core.next_deadline()):
                     await self.receive([await inbox.next(), *inbox.ready()])
             deadline = trio.current_time() + window
-            while core.awaiting_drafts() and trio.current_time() < deadline:
-                with trio.move_on_at(min(deadline, core.next_deadline())):
-                    await self.receive([await inbox.next(), *inbox.ready()])
+            with phase(LoopPhase.DRAFT_WAIT if core.awaiting_drafts() else None):
+                while core.awaiting_drafts() and trio.current_time() < deadline:
+                    with trio.move_on_at(min(deadline, core.next_deadline())):
+                        await self.receive([await inbox.next(), *inbox.ready()])
             await self.send(core.tick(trio.current_time()))
             if core.has_work():
-                await self.send(core.forward(trio.current_time))
+                with phase(LoopPhase.BOOKKEEPING):
+                    out = core.forward(trio.current_time)
+                await self.send(out)
             core.expire()
             self.lane.state.active_requests = len(core.drivers)
 
@@ -115,11 +126,12 @@ async def serve(lane: LaneContext) -> None:
     lane.runtime = runtime_report(model)
     assert model.tokenizer is not None
     warm_up(model.tokenizer)  # every response_format request's grammar is compiled for it
-    verifier = Verifier(model, lane, config.run.prefill_chunk, stored_row_seconds(model, path))
+    watch = Stopwatch(lane.state.loop_seconds)
+    verifier = Verifier(model, lane, config.run.prefill_chunk, stored_row_seconds(model, path), watch)
     local = local_drafts(lane, model, path)
     offset = time.time() - trio.current_time()
     core = VerifyCore(verifier, lane, config, clock=trio.current_time, wall_offset=offset, local=local)
-    sockets = VerifyLane(lane, core)
+    sockets = VerifyLane(lane, core, watch)
     lane.heartbeat()  # tells the orchestrator we are ready
     await sockets.run()
 

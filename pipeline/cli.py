@@ -158,7 +158,10 @@ def _add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         "--now", action="store_true",
         help="stop at once (SIGINT) instead of draining; the next start resumes in-flight requests",
     )  # fmt: skip
-    status = sub.add_parser("status", help="lanes, pids, restarts, active requests, speculation totals")
+    status = sub.add_parser(
+        "status",
+        help="lanes, pids, restarts, active requests, speculation totals, the verify lane's time by phase",
+    )
     _add_config_flags(status)
     status.add_argument("--connect", metavar="ADDR", help="orchestrator address (default: from the config)")
     status.add_argument(
@@ -468,6 +471,7 @@ def _client(args: argparse.Namespace, config, **kwargs: Any):
 
 def cmd_status(args: argparse.Namespace) -> int:
     from pipeline.api.health import judge
+    from pipeline.workers.loop_phases import per_forward, render_split
 
     config = _config(args)
     if not args.connect:
@@ -488,6 +492,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{lane.name:<13}{lane.state:<10}{lane.pid or '-':>8}{lane.restarts:>10}{lane.active_requests:>8}"
             f"{t.drafted:>10}{t.accepted:>10}"
         )
+    verify = next((lane.totals for lane in report.lanes if lane.name == "verify"), None)
+    if verify is not None and verify.batches:
+        split = render_split(per_forward({}, verify.loop_seconds, verify.batches))
+        print(f"verify lane, ms a forward by phase since it started: {split}")
     t = report.totals
     print(
         f"requests: {report.active_requests} active, {report.queued_requests} queued, {t.runs} finished; "

@@ -226,10 +226,11 @@ def test_pipeline_bench_gateway_row():
            "ratio": 0.95, "pipeline_orchestrator_tokens_per_second": 96.0, "in_process_steps": 1,
            "pipeline_steps": 1, "acceptance_in_process": 0.0, "acceptance_pipeline": 0.0, "identical": True,
            **got}  # fmt: skip
-    lines = plb.render_stream(
-        {"workloads": {"chat": {"none": row}}, "cores": {"clients": 0.5, "others": 0.0}}
-    )
+    loop = {"forward": 5.0, "bookkeeping": 0.3, "pause": 0.25}
+    single = {"workloads": {"chat": {"none": row}}, "cores": {"clients": 0.5, "others": 0.0}}
+    lines = plb.render_stream({**single, "verify_loop_ms": loop})
     assert "gateway  ratio" in lines[1]
+    assert lines[-1] == "verify lane, ms a forward by phase: forward 5.00, bookkeeping 0.30, pause 0.25"
     assert "chat     none         2    100.0     95.0  0.95x     80.0  0.80x    96.0" in lines[2]
     assert plb.render_gateway({"gateway_worst_ratio": None}) == []
     h = {"gateway_worst_ratio": 0.8, "gateway_median_ratio": 0.85, "gateway_met": False}

@@ -46,6 +46,7 @@ from pipeline.orchestration.tracing import FAULT_LANES, OUTCOMES
 from pipeline.protocol.client import Client
 from pipeline.protocol.config import load_config
 from pipeline.protocol.messages import FaultKind
+from pipeline.workers.loop_phases import LoopPhase
 
 from .grammar_cases import CITY, ORDER, PERSON, REVIEW, TOOL_CALL, bounded
 from .pipeline_harness import Pipeline, alive, free_port
@@ -988,6 +989,11 @@ def test_metrics_agree_with_status_and_the_audit_trail(pipeline, client, model, 
 
     drafted, accepted = total("speclanes_tokens_drafted_total"), total("speclanes_tokens_accepted_total")
     assert accepted > 0
+    # The verify lane's loop by phase, scraped before `status` was read: never ahead of it.
+    phases = {s.labels["speclanes_phase"]: s.value for s in found["speclanes_verify_loop_time_seconds_total"]}
+    loop = next(lane["totals"] for lane in status["lanes"] if lane["name"] == "verify")["loop_seconds"]
+    assert set(phases) <= {p.value for p in LoopPhase} and phases["forward"] > 0
+    assert all(phases[p] <= loop[p] for p in phases)
     genai = {"gen_ai_provider_name": "speclanes"}  # the GenAI conventions' labels, with the operation
     for name in (
         "gen_ai_server_request_duration_seconds_count",

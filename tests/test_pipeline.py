@@ -54,6 +54,7 @@ from pipeline.protocol.messages import (
     encode,
 )
 from pipeline.protocol.transport import dial
+from pipeline.workers.loop_phases import LoopPhase
 
 from .pipeline_harness import Pipeline, alive, free_port, running_pipeline
 
@@ -659,6 +660,16 @@ def test_the_readme_commands_start_stream_status_stop(tmp_path) -> None:
             ("verify", "draft", "audit", "orchestrator", "gateway"), "up"
         )
         assert status["totals"]["runs"] == 2 and status["active_requests"] == 0
+        # The verify lane's totals come with its heartbeats: its loop's split into phases among them.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            status = json.loads(speclanes("status", "--json").stdout)
+            verify = next(lane["totals"] for lane in status["lanes"] if lane["name"] == "verify")
+            loop = verify["loop_seconds"]
+            if loop.get("forward", 0) > 0:
+                break
+        assert loop["forward"] > 0 and set(loop) <= {p.value for p in LoopPhase}, loop
+        assert "verify lane, ms a forward by phase since it started: forward " in speclanes("status").stdout
         bad = speclanes("stream", "--temperature", "-1", "hi")
         assert bad.returncode == 2 and "temperature" in bad.stderr
     finally:

@@ -28,8 +28,8 @@ def run_of(ratios: dict, gateway: float, scaling: dict, rates: dict) -> dict:
     """A bench run's results, reduced to what `headline` reads: one workload, a 2.5x ceiling."""
     stream = {name: {"ratio": r, "gateway_ratio": gateway, "identical": True} for name, r in ratios.items()}
     drafters = {
-        name: {"scaling": scaling[name], "1": {"identical": True}, "8": {"tokens_per_second": rates[name],
-                                                                        "identical": True}}
+        name: {"over_plain": scaling[name], "1": {"identical": True}, "8": {"tokens_per_second": rates[name],
+                                                                           "identical": True}}
         for name in scaling
     }  # fmt: skip
     load = {"clients": 8, "drafters": drafters, "ceiling": {"ceiling_with_prefill": 2.5}}

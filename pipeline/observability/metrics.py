@@ -45,6 +45,7 @@ class PipelineGauges:
     audit_pending: int = 0  # audit events not yet acknowledged
     prompt_tokens_reused: int = 0  # prompt positions the verify lane copied, since it started
     lanes: dict[str, LaneGauge] = field(default_factory=dict)
+    verify_loop_seconds: dict[str, float] = field(default_factory=dict)  # by phase, since the lane started
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,13 @@ class PipelineMetrics:
             "computing them (the choices of a request with n > 1, shared prefixes); since the lane started",
         )
         meter.create_observable_counter(
+            "speclanes.verify.loop_time",
+            [self._loop_phases],
+            "s",
+            "Seconds the verify lane spent in each phase of its loop (speclanes.phase: forward, "
+            "bookkeeping, checkpoint, drafting, draft_wait, report, pause, held); since the lane started",
+        )
+        meter.create_observable_counter(
             "speclanes.lane.restarts",
             [self._lane_restarts],
             "{restart}",
@@ -200,6 +208,12 @@ class PipelineMetrics:
         return [
             Observation(lane.restarts, {**self.base, "speclanes.lane": name})
             for name, lane in self.read().lanes.items()
+        ]
+
+    def _loop_phases(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(seconds, {**self.base, "speclanes.phase": phase})
+            for phase, seconds in self.read().verify_loop_seconds.items()
         ]
 
     def _lanes_up(self, options: CallbackOptions) -> Iterable[Observation]:

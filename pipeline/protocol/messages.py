@@ -339,6 +339,8 @@ class SpeculativeState(msgspec.Struct, kw_only=True):
     batches: int = 0
     batched_rows: int = 0
     prompt_tokens_reused: int = 0  # verify lane: prompt positions copied from another cache, not computed
+    # verify lane: seconds spent in each phase of its loop (`workers.loop_phases.LoopPhase`)
+    loop_seconds: dict[str, float] = {}
 
     @property
     def acceptance(self) -> float:

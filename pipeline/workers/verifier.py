@@ -39,6 +39,7 @@ from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.model.llama import KVCache
 from pipeline.protocol.messages import BadMessage, Close, Open, Opened, Rows, StepFailed, Verified, Verify
 from pipeline.workers.grammar import opened_target
+from pipeline.workers.loop_phases import LoopPhase, Stopwatch
 from pipeline.workers.prefix_reuse import Holder, PrefixReuse
 from pipeline.workers.reporting import LaneReporter, step_failed
 from pipeline.workers.step_spans import StepSpans
@@ -104,9 +105,9 @@ ALONE_ROWS = 512  # prompt rows per forward while no request decodes here (`pref
 class Verifier:
     def __init__(
         self, model: Runtime, lane: LaneReporter, prefill_chunk: int = 128,
-        row_costs: list[float] | None = None,
+        row_costs: list[float] | None = None, watch: Stopwatch | None = None,
     ) -> None:  # fmt: skip
-        self.model, self.lane = model, lane
+        self.model, self.lane, self.watch = model, lane, watch or Stopwatch()  # forwards: LoopPhase.FORWARD
         self.backend = backend_key(model)
         # The controllers' t(rows) (`model.calibration`), sent with every Opened.
         self.row_seconds = row_costs if row_costs is not None else row_seconds(model)
@@ -264,7 +265,8 @@ class Verifier:
         # still computes every row, as it always has here.
         whole = [True] * len(batch) + [False] * len(chunks) if self.row_invariant else True
         try:  # every row's features when one request wants them (a copy of the final norm's rows)
-            all_logits, found = self.model.forward_features(work, features=want, all_logits=whole)
+            with self.watch.phase(LoopPhase.FORWARD):
+                all_logits, found = self.model.forward_features(work, features=want, all_logits=whole)
         except Exception as exc:
             for msg, _ in batch:  # their caches may be half-written: a re-prime rebuilds them
                 self.forget(msg.request_id)

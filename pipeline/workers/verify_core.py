@@ -32,6 +32,7 @@ from pipeline.protocol.messages import (
 )
 from pipeline.workers.draft_server import DraftServer
 from pipeline.workers.driver import DraftLane, Driver, Out
+from pipeline.workers.loop_phases import LoopPhase
 from pipeline.workers.reporting import LaneReporter, step_failed
 from pipeline.workers.verifier import Verifier
 
@@ -196,7 +197,8 @@ class VerifyCore:
             self.local.close(msg)
             return []
         try:
-            reply: Drafted | StepFailed = self.local.draft(msg)
+            with self.verifier.watch.phase(LoopPhase.DRAFTING):
+                reply: Drafted | StepFailed = self.local.draft(msg)
         except Exception as exc:  # a bug costs this step its drafts, never the lane
             log.exception("drafting in the verify lane failed")
             self.local.active.pop(msg.request_id, None)
