@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.decoding.adaptive import Controller, DepthAcceptance, RowCosts, node_probabilities
+from pipeline.decoding.adaptive import (
+    NEIGHBOUR_SLOWDOWN,
+    Controller,
+    DepthAcceptance,
+    RowCosts,
+    node_probabilities,
+)
 from pipeline.decoding.tree import chain, offered
 
 FLAT = [0.010] * 8 + [0.010 + 0.002 * r for r in range(1, 26)]  # t(rows) flat to 8 rows, then rising
@@ -222,6 +228,18 @@ def test_no_room_beside_the_neighbours_means_no_draft_is_asked_for():
     assert c.room(1, 16) == 0  # 2 rows are plain already; a third costs 40%
     assert controller(FLAT).room(3, 16) == 4  # 4 requests' rows, and 4 more within the flat part
     assert Controller(fixed=5).room(7, 5) == 5  # a k the user fixed is theirs
+
+
+def test_the_neighbours_slowdown_is_shared_by_every_request_of_the_forward():
+    """Every request of a forward may add rows in the same step, so each may slow it by its share of
+    NEIGHBOUR_SLOWDOWN: here each row costs 2% of a forward, and all of them together stay within it."""
+    c = controller([0.010 * (1 + 0.02 * r) for r in range(33)])
+    assert c.room(1, 16) == 1  # 2 requests: 2.5% each, one row
+    assert c.room(7, 16) == 0  # 8 requests: 0.625% each, not a row
+    for neighbours in range(1, 12):
+        base, room = neighbours + 1, c.room(neighbours, 16)
+        total = c.costs.ratio(base + base * room) / c.costs.ratio(base)  # every request took its room
+        assert total <= 1 + NEIGHBOUR_SLOWDOWN + 1e-12, (neighbours, room, total)
 
 
 def test_a_free_drafter_is_asked_while_its_proposals_pay_for_the_wait():

@@ -15,9 +15,11 @@ length that pays (`budget`).
   estimates learnt from what the target kept, so a drafter that is over-confident at depth 5 is
   discounted there, and `auto`'s n-gram chains and suffix chains are each judged on their record.
 - Neighbours: in a batched verify lane other requests' rows share the forward, so a request
-  with neighbours may only add rows while the forward stays within `NEIGHBOUR_SLOWDOWN` of the
-  time it takes without any speculation (`RowCosts.row_budget`): its speculation must not make
-  their steps slower. Where that leaves no room (`Controller.room`), no draft is asked for.
+  with neighbours may only add rows while the forward stays within its share of
+  `NEIGHBOUR_SLOWDOWN` of the time it takes without any speculation (`RowCosts.row_budget`): its
+  speculation must not make their steps slower. Every request of the forward may add rows at once,
+  so each gets 1/N of the slowdown (on a curve that rises evenly, all N together then stay within
+  it). Where that leaves no room (`Controller.room`), no draft is asked for.
 - Asking: a free drafter's proposal is not free where it comes from the draft lane (a round trip
   while the forward waits), so whether to ask at all is judged by what asking steps gained against
   the rows and the wait they cost (`Asking`); the wait is charged there, not to the step overhead.
@@ -103,10 +105,10 @@ class RowCosts:
             self._cheapest = min((self.ratio(1 + r) - self.ratio(1)) / r for r in range(1, 2 * K_LIMIT + 1))
         return self._cheapest
 
-    def row_budget(self, base_rows: int, limit: int) -> int:
+    def row_budget(self, base_rows: int, limit: int, slowdown: float = NEIGHBOUR_SLOWDOWN) -> int:
         """The most rows (up to `limit`) a forward may carry while it costs at most
-        1 + NEIGHBOUR_SLOWDOWN times a forward of `base_rows`."""
-        ceiling = self.ratio(base_rows) * (1 + NEIGHBOUR_SLOWDOWN)
+        1 + `slowdown` times a forward of `base_rows`."""
+        ceiling = self.ratio(base_rows) * (1 + slowdown)
         rows = base_rows
         while rows < limit and self.ratio(rows + 1) <= ceiling:
             rows += 1
@@ -275,12 +277,15 @@ class Controller:
 
     def room(self, neighbours: int, n: int) -> int:
         """How many of n nodes a request may verify beside `neighbours` other requests' rows in the
-        same forward: all n alone, else as many as keep that forward within `NEIGHBOUR_SLOWDOWN`
-        of its plain cost. 0 means a draft would be cut to nothing, so none should be asked for."""
+        same forward: all n alone, else as many as keep that forward within this request's share
+        of `NEIGHBOUR_SLOWDOWN` over its plain cost (1 / (neighbours + 1) of it: every request may
+        take its share in the same forward). 0 means a draft would be cut to nothing, so none should
+        be asked for."""
         if neighbours <= 0 or self.fixed is not None:
             return n
         base = neighbours + 1
-        return max(0, min(n, self.costs.row_budget(base, base + n) - base))
+        share = NEIGHBOUR_SLOWDOWN / base  # each of the forward's requests may take its share at once
+        return max(0, min(n, self.costs.row_budget(base, base + n, share) - base))
 
     def _best_count(self, probs: Sequence[float], per_node: float = 0.0) -> int:
         """How many of the nodes `probs` (best first) maximise expected tokens per unit of time:
