@@ -176,6 +176,20 @@ def test_admission_limits_and_the_body_cap_are_settings_with_checked_values():
             load_config(None, [bad], environ={})
 
 
+def test_the_audit_limits_are_checked_where_they_are_declared():
+    for bad, problem in [
+        ("audit.prune_seconds=0", r"Expected `float` > 0.0 - at `\$.audit.prune_seconds`"),
+        ("audit.batch_seconds=2", r"<= 1.0 - at `\$.audit.batch_seconds`"),
+        ("audit.max_pending=0", r">= 1 - at `\$.audit.max_pending`"),
+        ("audit.max_age_days=-1", r">= 0.0 - at `\$.audit.max_age_days`"),
+        ("audit.max_requests=-1", r">= 0 - at `\$.audit.max_requests`"),
+    ]:
+        with pytest.raises(ConfigError, match=problem):
+            load_config(None, [bad], environ={})
+    keep = load_config(None, ["audit.max_age_days=0", "audit.max_requests=0", "audit.batch_seconds=0"], {})
+    assert (keep.audit.max_age_days, keep.audit.max_requests, keep.audit.batch_seconds) == (0, 0, 0)
+
+
 def test_invalid_toml_is_a_config_error(tmp_path):
     path = write(tmp_path, "[speculation\nk = \n")
     with pytest.raises(ConfigError, match="not valid TOML"):

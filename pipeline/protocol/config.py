@@ -163,26 +163,19 @@ class Audit(Section):
     path: str = "{run_dir}/audit.sqlite"
     resend_after: float = 1.0  # unacknowledged events are sent again after this long
     snapshot_seconds: float = 60.0  # each lane's heartbeat totals are recorded this often (0: never)
-    max_age_days: float = 30.0  # whole requests whose last event is older are deleted (0: keep forever)
-    max_requests: int = 10000  # only the newest this many requests are kept (0: no limit)
-    prune_seconds: float = 300.0  # how often the audit lane applies the two limits above
+    # whole requests whose last event is older are deleted (0: keep forever)
+    max_age_days: Annotated[float, Meta(ge=0)] = 30.0
+    max_requests: Annotated[int, Meta(ge=0)] = 10000  # only the newest this many are kept (0: no limit)
+    prune_seconds: Annotated[float, Meta(gt=0)] = 300.0  # how often the audit lane applies the two limits
     # Events the audit lane has not acknowledged yet, at most; past it new requests are refused
     # ("overloaded") until it catches up. Nothing is dropped: the running requests' events wait.
-    max_pending: int = 20000
+    max_pending: Annotated[int, Meta(ge=1)] = 20000
     # The orchestrator holds the events it records this long and sends them as one batch, which the
     # audit lane writes in one transaction (one fsync) and acknowledges together; 0: with every tick
     # of the orchestrator. Nothing waits on it but the acknowledgement: the orchestrator keeps every
     # event until then. Each write costs the lane a commit, a span per request and an AuditAck, and
     # both processes a wake-up: CPU taken from the forward on a small machine.
-    batch_seconds: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.max_age_days < 0 or self.max_requests < 0 or self.prune_seconds <= 0:
-            raise ValueError("audit.max_age_days and max_requests must be >= 0, prune_seconds > 0")
-        if not 0.0 <= self.batch_seconds <= 1.0:
-            raise ValueError(f"audit.batch_seconds must be in [0, 1], got {self.batch_seconds}")
-        if self.max_pending < 1:
-            raise ValueError(f"audit.max_pending must be >= 1, got {self.max_pending}")
+    batch_seconds: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
 
 
 class Gateway(Section):
