@@ -123,3 +123,26 @@ def test_a_request_with_no_server_yet_waits_for_one_in_the_async_send(tmp_path) 
         req.close()
         for sock in rep:
             sock.close()
+
+
+def test_an_inbox_says_a_message_waits_without_receiving_it(tmp_path) -> None:
+    """`Inbox.waiting` polls nng's descriptor: true while a message is queued, false once the queue is
+    read empty; it receives nothing itself (the verify lane reads its inbox between forwards only then)."""
+    from pipeline.protocol.messages import Close, VerifyInbox, encode
+    from pipeline.protocol.transport import Inbox
+
+    address = f"ipc://{tmp_path}/verify"
+    inbox, push = Inbox(address, VerifyInbox), dial(pynng.Push0, address)
+    try:
+        wait_connected(push)
+        assert not inbox.waiting() and inbox.ready() == []
+        push.send(encode(Close(request_id="r1")))
+        deadline = time.monotonic() + 5
+        while not inbox.waiting() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert inbox.waiting() and inbox.waiting()  # asking again takes nothing
+        assert [m.request_id for m in inbox.ready()] == ["r1"]
+        assert not inbox.waiting()
+    finally:
+        push.close()
+        inbox.sock.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import select
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -148,6 +149,8 @@ class Inbox(Generic[T]):
     ) -> None:
         self.sock = listen(pynng.Pull0, address, tls, max_message_bytes)
         self.codec: Codec[T] = Codec(union)
+        self._descriptor = select.poll()
+        self._descriptor.register(self.sock.recv_fd, select.POLLIN)
 
     def decode(self, data: bytes) -> T | BadMessage:
         try:
@@ -157,6 +160,11 @@ class Inbox(Generic[T]):
 
     async def next(self) -> T | BadMessage:
         return self.decode(await receive(self.sock))
+
+    def waiting(self) -> bool:
+        """Whether nng's descriptor says a message is queued: one poll, no receive. nng has missed
+        wake-ups (see above), so a caller that relies on this still reads with `ready` now and then."""
+        return bool(self._descriptor.poll(0))
 
     def ready(self) -> list[T | BadMessage]:
         """Everything already queued."""
