@@ -492,9 +492,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{lane.name:<13}{lane.state:<10}{lane.pid or '-':>8}{lane.restarts:>10}{lane.active_requests:>8}"
             f"{t.drafted:>10}{t.accepted:>10}"
         )
-    verify = next((lane.totals for lane in report.lanes if lane.name == "verify"), None)
-    if verify is not None and verify.batches:
-        split = render_split(per_forward({}, verify.loop_seconds, verify.batches))
+    verify = report.lane("verify")
+    if verify is not None and verify.totals.batches:
+        split = render_split(per_forward({}, verify.totals.loop_seconds, verify.totals.batches))
         print(f"verify lane, ms a forward by phase since it started: {split}")
     t = report.totals
     print(

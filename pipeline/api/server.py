@@ -174,7 +174,8 @@ class Gateway:
         once it has reported; null before)."""
         try:
             report = await self.client.status(timeout=VERSION_STATUS_SECONDS)
-            runtime = next((lane.runtime for lane in report.lanes if lane.name == "verify"), {})
+            verify = report.lane("verify")
+            runtime = verify.runtime if verify is not None else {}
         except PipelineError:
             runtime = {}
         return JSONResponse(

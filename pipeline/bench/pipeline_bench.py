@@ -56,6 +56,7 @@ from pipeline.model.default import model_path
 from pipeline.model.draft_head import head_for
 from pipeline.protocol.client import Client
 from pipeline.protocol.config import Config
+from pipeline.protocol.messages import SpeculativeState, StatusReport
 from pipeline.workers.loop_phases import per_forward, render_split
 
 LOAD_PROMPTS = (
@@ -158,13 +159,18 @@ def single_stream(
     return {
         "workloads": {w: summarise_stream(by_drafter) for w, by_drafter in runs.items()},
         "cores": cores,
-        "verify_loop_ms": verify_loop_ms(before, after),
+        "verify_loop_ms": verify_loop_ms(verify_totals(before), verify_totals(after)),
     }
 
 
-def verify_loop_ms(before, after) -> dict[str, float]:
-    """The verify lane's milliseconds a forward in each phase of its loop between two statuses."""
-    was, now = (next(lane.totals for lane in r.lanes if lane.name == "verify") for r in (before, after))
+def verify_totals(report: StatusReport) -> SpeculativeState:
+    verify = report.lane("verify")
+    assert verify is not None, "a private pipeline runs a verify lane"
+    return verify.totals
+
+
+def verify_loop_ms(was: SpeculativeState, now: SpeculativeState) -> dict[str, float]:
+    """The verify lane's milliseconds a forward in each phase of its loop between two totals."""
     return per_forward(was.loop_seconds, now.loop_seconds, now.batches - was.batches)
 
 
@@ -251,9 +257,7 @@ def load_phase(
         outputs, wall = drive_clients(config.addresses.client, prompts, clients, params, drafter)
         cpu_after = cpu_snapshot(pids)
         after = settled_status(client, config)
-    verify_before = next(lane.totals for lane in before.lanes if lane.name == "verify")
-    verify_after = next(lane.totals for lane in after.lanes if lane.name == "verify")
-    loop_ms = verify_loop_ms(before, after)
+    verify_before, verify_after = verify_totals(before), verify_totals(after)
     tokens = sum(len(r["tokens"]) for r in outputs)
     return {
         "outputs": outputs,
@@ -265,7 +269,7 @@ def load_phase(
         "rows": verify_after.batched_rows - verify_before.batched_rows,
         "cores": busy_cores(cpu_before, cpu_after, wall),
         "itl_ms": inter_token_ms([gap for r in outputs for gap in r["gaps"]]),
-        "verify_loop_ms": loop_ms,
+        "verify_loop_ms": verify_loop_ms(verify_before, verify_after),
     }
 
 

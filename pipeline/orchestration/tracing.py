@@ -192,10 +192,10 @@ def gauges_of(report: StatusReport) -> PipelineGauges:
         lane.name: LaneGauge(lane.state == "up", lane.restarts, pid=lane.pid, process=lane.process)
         for lane in report.lanes
     }
-    verify = next((lane.totals for lane in report.lanes if lane.name == "verify"), None)
+    verify = report.lane("verify")
     return PipelineGauges(
         running=report.active_requests, queued=report.queued_requests,
         audit_pending=report.audit_pending, lanes=lanes,
-        prompt_tokens_reused=verify.prompt_tokens_reused if verify else 0,
-        verify_loop_seconds=dict(verify.loop_seconds) if verify else {},
+        prompt_tokens_reused=verify.totals.prompt_tokens_reused if verify else 0,
+        verify_loop_seconds=dict(verify.totals.loop_seconds) if verify else {},
     )  # fmt: skip

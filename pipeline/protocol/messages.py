@@ -541,6 +541,10 @@ class StatusReport(Message, frozen=True, kw_only=True):
     ended_at_shutdown: int = 0  # requests its drain window ended unfinished (server_shutdown)
     storage: str = ""  # why the run directory's disk takes no new work now (full, low), or ""
 
+    def lane(self, name: str) -> LaneStatus | None:
+        """The lane called `name`, if this pipeline has one."""
+        return next((lane for lane in self.lanes if lane.name == name), None)
+
 
 class MetricsQuery(Message, frozen=True, kw_only=True):
     """The orchestrator's metrics in the Prometheus text format (the gateway's `GET /metrics`)."""

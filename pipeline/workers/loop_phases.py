@@ -41,13 +41,14 @@ class Stopwatch:
         self.stack: list[str] = []
         self.mark = clock()
         self._phases = {name: _Phase(self, name) for name in LoopPhase}
-        self._nothing = _Phase(self, None)
+        self._nothing = _Phase(self, "")  # entered like a phase, charged nothing
 
     def phase(self, name: LoopPhase | None) -> _Phase:
         return self._nothing if name is None else self._phases[name]
 
     def _switch(self, enter: str | None) -> None:
-        """Charge the time since the last switch to the phase that was running, then enter or leave."""
+        """Charge the time since the last switch to the phase that was running (none for ""), then
+        enter `enter` or, given None, leave."""
         now = self.clock()
         if self.stack and self.stack[-1]:
             top = self.stack[-1]
@@ -62,11 +63,11 @@ class Stopwatch:
 class _Phase:
     """A reusable context manager for one phase (a `contextmanager` generator a step costs more)."""
 
-    def __init__(self, watch: Stopwatch, name: str | None) -> None:
+    def __init__(self, watch: Stopwatch, name: str) -> None:
         self.watch, self.name = watch, name
 
     def __enter__(self) -> None:
-        self.watch._switch(self.name or "")
+        self.watch._switch(self.name)
 
     def __exit__(self, *exc: object) -> None:
         self.watch._switch(None)
