@@ -308,8 +308,9 @@ def test_default_model_logits_are_row_invariant(served_model):
 
 
 def test_the_thread_count_changes_no_bit(served_model):
-    """The native kernels split a forward's rows (from ROWS_PARALLEL = 32 on), the LM head's outputs
-    and a batch's attention units between OpenMP threads, never a sum: 1, 2 and 3 threads give the
+    """The native kernels split a forward's rows (from ROWS_PARALLEL = 32 on), every product's output
+    tiles (claimed by whichever thread is free, `gemm_blocks`) and a batch's attention units between
+    OpenMP threads, never a sum: 1, 2 and 3 threads (more than the cores: claims move) give the
     same bits, for a prefill, a step, and a batch of sequences of different lengths with a token
     tree among them. The suite's workers run one thread each (conftest.pytest_configure), users as
     many as their cores."""
