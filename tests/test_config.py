@@ -155,7 +155,7 @@ def test_a_disabled_gateway_is_not_started_even_when_listed():
         "verify",
         "gateway",
     ]
-    with pytest.raises(ConfigError, match=r"gateway\.port must be 1\.\.65535"):
+    with pytest.raises(ConfigError, match=r">= 1 - at `\$.gateway.port`"):
         load_config(None, ["gateway.port=0"], environ={})
 
 
@@ -166,10 +166,14 @@ def test_admission_limits_and_the_body_cap_are_settings_with_checked_values():
     assert (defaults.admission.max_running, defaults.admission.max_queued) == (16, 64)
     assert defaults.gateway.max_body_bytes == 1 << 20 < defaults.admission.max_message_bytes
     for bad, problem in [
-        ("admission.max_running=0", "admission.max_running must be >= 1"),
-        ("admission.max_queued=-1", "max_queued >= 0"),
-        ("admission.max_message_bytes=100", "admission.max_message_bytes must be >= 4096"),
-        ("gateway.max_body_bytes=10", "gateway.max_body_bytes must be >= 1024"),
+        ("admission.max_running=0", r">= 1 - at `\$.admission.max_running`"),
+        ("admission.max_queued=-1", r">= 0 - at `\$.admission.max_queued`"),
+        ("admission.max_retained=0", r">= 1 - at `\$.admission.max_retained`"),
+        ("admission.max_message_bytes=100", r">= 4096 - at `\$.admission.max_message_bytes`"),
+        ("gateway.max_body_bytes=10", r">= 1024 - at `\$.gateway.max_body_bytes`"),
+        ("gateway.max_choices=0", r">= 1 - at `\$.gateway.max_choices`"),
+        ("gateway.port=0", r">= 1 - at `\$.gateway.port`"),
+        ("gateway.port=65536", r"<= 65535 - at `\$.gateway.port`"),
         ("gateway.max_body_bytes=2097152", "must fit the orchestrator's"),  # as large as the socket's cap
     ]:
         with pytest.raises(ConfigError, match=problem):
@@ -282,8 +286,10 @@ def test_ipc_addresses_are_unchanged_and_need_no_tls(tmp_path):
         (["speculation.k=99"], {}, "speculation.k must be 0..32"),
         ([], {"SPECLANES_SPECULATION_DRAFTER": "magic"}, "'magic'"),
         ([], {"SPECLANES_SPECULATION_K": "33"}, "speculation.k must be 0..32"),
-        (["restart.max_restarts=-1"], {}, "restart.max_restarts must be >= 0"),
-        (["restart.within_seconds=0"], {}, "within_seconds > 0"),
+        (["restart.max_restarts=-1"], {}, r">= 0 - at `$.restart.max_restarts`"),
+        (["restart.within_seconds=0"], {}, r"> 0.0 - at `$.restart.within_seconds`"),
+        (["restart.hang_seconds=-1"], {}, r">= 0.0 - at `$.restart.hang_seconds`"),
+        (["run.prefill_chunk=9000"], {}, r"<= 8192 - at `$.run.prefill_chunk`"),
         (["gateway.default_max_tokens=-1"], {}, "gateway.default_max_tokens"),
         ([], {"SPECLANES_GATEWAY_CORS_ORIGINS": "https://a.example"}, "gateway.cors_origins"),  # a list
     ],

@@ -58,29 +58,25 @@ class Run(Section):
     draft_in_verify_lane: bool = True
     # Steps the verify lane may decide past what the orchestrator has journaled: it never waits for the
     # orchestrator between two forwards unless it is this far ahead.
-    run_ahead: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    run_ahead: Annotated[int, Meta(ge=1, le=256)] = 8
     # How often the verify lane sends its decided steps to the orchestrator while it keeps decoding: 0,
     # after every forward; more means fewer, larger messages (fewer wake-ups of the orchestrator, the
     # audit lane, the gateway and polling clients) for up to that much added latency per token. A
     # request's first token and its end go at once whatever this is. 50 ms against 20 ms: 0.43 against
     # 0.69 ms of orchestrator CPU a token and about 10% more tok/s through the gateway on 2 cores
     # (docs/benchmarks.md); tokens then reach a reader 20 times a second.
-    report_interval_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+    report_interval_seconds: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
     # How long the verify lane yields the CPU after sending decided steps while it has more to decode:
     # on a machine whose cores the forward's threads all use, the orchestrator, the audit lane and the
     # clients then handle them between two forwards instead of stalling one. 0 on a machine with cores
     # to spare.
-    report_pause_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.002
+    report_pause_seconds: Annotated[float, Meta(ge=0.0, le=0.1)] = 0.002
     # Prompt rows per verify-lane forward while other requests decode; the rest waits for the next
     # forward, so their steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
     # With none decoding, up to 512 rows (`Verifier.prefill_budget`).
-    prefill_chunk: int = 128
+    prefill_chunk: Annotated[int, Meta(ge=0, le=8192)] = 128
     # The orchestrator's write-ahead journal: a restarted orchestrator resumes every request from it.
     journal: str = "{run_dir}/journal.sqlite"
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.prefill_chunk <= 8192:
-            raise ValueError(f"run.prefill_chunk must be 0..8192, got {self.prefill_chunk}")
 
 
 class ModelSection(Section):
@@ -139,20 +135,11 @@ class Restart(Section):
     shutdown_grace: float = 3.0  # SIGTERM, then SIGKILL after this long
     # A lane whose event loop has not beaten for this long (stopped, hung) is killed and restarted,
     # and the orchestrator stops counting it as up (0: never).
-    hang_seconds: float = 5.0
+    hang_seconds: Annotated[float, Meta(ge=0)] = 5.0
     # Restart intensity, as in OTP: a lane restarted more than max_restarts times within
     # within_seconds is marked failed and left down (see pipeline/service/supervisor.py).
-    max_restarts: int = 5
-    within_seconds: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.hang_seconds < 0:
-            raise ValueError(f"restart.hang_seconds must be >= 0, got {self.hang_seconds}")
-        if self.max_restarts < 0 or self.within_seconds <= 0:
-            raise ValueError(
-                f"restart.max_restarts must be >= 0 and within_seconds > 0, got {self.max_restarts} "
-                f"and {self.within_seconds}"
-            )
+    max_restarts: Annotated[int, Meta(ge=0)] = 5
+    within_seconds: Annotated[float, Meta(gt=0)] = 60.0
 
     def alive_path(self, run_dir: str, lane: str) -> Path:
         """Touched by the lane on every heartbeat; its age is what the supervisor watches."""
@@ -183,15 +170,15 @@ class Gateway(Section):
 
     enabled: bool = True  # false: not started even when run.components lists it
     host: str = "127.0.0.1"  # loopback unless API keys are set (pipeline/api/keys.py)
-    port: int = 8000
+    port: Annotated[int, Meta(ge=1, le=65535)] = 8000
     model: str = ""  # the model id clients name; "" means the target GGUF's file name without .gguf
     api_key_file: str = ""  # one API key per line; SPECLANES_API_KEY gives one more
     # A larger request body is refused with 413 before it is read into memory (1 MiB: a prompt far
     # longer than any context, so only abuse is refused).
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = 1 << 20
     # OpenAI's `n`: the most choices one request may ask for, each a pipeline request of its own
     # (admission counts each); more is a 400 naming `n`.
-    max_choices: int = 16
+    max_choices: Annotated[int, Meta(ge=1)] = 16
     # The max_tokens of a request that names none (nor max_completion_tokens); 0: no cap, it runs to
     # its end of sequence or the context's end, as vLLM's do.
     default_max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
@@ -199,38 +186,21 @@ class Gateway(Section):
     # as llama-server and vLLM allow; []: no CORS headers. The API key is still required where set.
     cors_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"gateway.port must be 1..65535, got {self.port}")
-        if self.max_choices < 1:
-            raise ValueError(f"gateway.max_choices must be >= 1, got {self.max_choices}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-
 
 class Admission(Section):
     """How much work the orchestrator takes on (pipeline/orchestration/admission_queue.py)."""
 
-    max_running: int = 16  # requests decoding at once; more wait their turn, first come first served
-    max_queued: int = 64  # requests waiting their turn; one more is refused as overloaded (HTTP 429)
+    # Requests decoding at once; more wait their turn, first come first served.
+    max_running: Annotated[int, Meta(ge=1)] = 16
+    # Requests waiting their turn; one more is refused as overloaded (HTTP 429).
+    max_queued: Annotated[int, Meta(ge=0)] = 64
     # The largest message the orchestrator's client socket takes; nng drops the connection of a client
     # that sends a larger one before it is read. Keep it above gateway.max_body_bytes (a Submit
     # encodes a JSON body in about as many bytes).
-    max_message_bytes: int = 2 << 20
+    max_message_bytes: Annotated[int, Meta(ge=4096)] = 2 << 20
     # Finished requests kept for resuming (each until timeouts.retain has passed); past this many the
     # oldest go first, so submit-and-cancel at any rate holds a bounded amount of memory.
-    max_retained: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.max_retained < 1:
-            raise ValueError(f"admission.max_retained must be >= 1, got {self.max_retained}")
-        if self.max_running < 1 or self.max_queued < 0:
-            raise ValueError(
-                f"admission.max_running must be >= 1 and max_queued >= 0, got {self.max_running} "
-                f"and {self.max_queued}"
-            )
-        if self.max_message_bytes < 4096:
-            raise ValueError(f"admission.max_message_bytes must be >= 4096, got {self.max_message_bytes}")
+    max_retained: Annotated[int, Meta(ge=1)] = 1024
 
 
 class Tls(Section):
