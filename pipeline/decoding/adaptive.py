@@ -2,7 +2,8 @@
 
 A step verifies a draft tree of R nodes in one forward of R + 1 rows. If node i is kept with
 probability p_i, the step emits 1 + sum(p_i) tokens on average and costs t(R + 1) plus the
-step's fixed overhead (messages, bookkeeping), so the controller keeps the R best nodes that
+step's fixed overhead (messages, bookkeeping; in the verify lane's shared forwards, the other
+requests' rows too, which the step waits for alike), so the controller keeps the R best nodes that
 maximise (1 + sum p) / (t(R + 1) / t(1) + overhead). R = 0 is plain decoding. Because the cut
 comes after the proposal, free drafters (n-gram, suffix) may propose generously and only what
 pays is verified; the model drafter, whose drafts cost a forward each, is asked for the chain
@@ -216,7 +217,10 @@ class Controller:
     k_max: int = 16
     costs: RowCosts = field(default_factory=RowCosts)
     acceptance: dict[str, DepthAcceptance] = field(default_factory=dict)  # per drafter (`Proposal.drafter`)
-    overhead: float = 0.05  # per-step seconds outside the forward, over t(1) (EWMA)
+    # A step's seconds beyond t(its own rows), over t(1) (EWMA): the loop around the forward and, in a
+    # forward shared with other requests, their rows (a crowded forward makes a row of one's own
+    # relatively cheaper; `room` keeps that from slowing the neighbours).
+    overhead: float = 0.05
     draft_per_token: float = 0.0  # a paid drafter's seconds per draft token, over t(1) (EWMA)
     asking: Asking = field(default_factory=Asking)  # whether a free drafter's proposal pays its wait
     smoothing: float = 0.2
