@@ -111,6 +111,26 @@ def test_proposals_do_not_depend_on_how_the_features_arrived(tiny):
     assert whole.propose(tokens, 5).tokens == pieces.propose(tokens, 5).tokens
 
 
+def test_a_head_step_gives_the_batch_path_s_bits(tiny):
+    """`DraftHead.step` runs its layer through `FastModel.forward_inputs`, without a batch's
+    bookkeeping: the same kernels in the same order as `forward_features` with `inputs`, so the same
+    predicted features and draft logits, for a feed of several rows and for one draft row after it."""
+    model, _, head, _, _ = tiny
+    tokens = chat_prompt(model, prompts("train")[2])
+    features = features_of(model, tokens)
+    lean, batch = head.new_cache(8), head.new_cache(8)
+    d = head.cfg.d_model
+    for rows in ([1, 2, 3, 4], [5]):
+        fed = features[rows]
+        predicted, logits = head.step(lean, [tokens[r + 1] for r in rows], fed)
+        joined = np.concatenate([head.embed[[tokens[r + 1] for r in rows]], fed], axis=1)
+        x = head.products.apply(head.products.prepare(joined.astype(np.float32)), head.fc)
+        want_logits, want = head.model.forward_features([(batch, [tokens[r + 1] for r in rows])], inputs=x)
+        assert predicted.shape == (len(rows), d)
+        assert np.array_equal(predicted, want[0]) and np.array_equal(logits, want_logits[0])
+        assert lean.length == batch.length
+
+
 def test_a_gap_restarts_the_history_and_unknown_features_give_no_draft(tiny, monkeypatch):
     model, _, head, _, _ = tiny
     tokens = chat_prompt(model, prompts("train")[2])

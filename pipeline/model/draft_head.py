@@ -131,10 +131,13 @@ class DraftHead:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Rows at positions [cache.length, +T): row i reads token next_tokens[i] (the one after
         its position) and features[i]; returns (predicted features, draft-vocabulary logits)."""
-        joined = np.concatenate([self.embed[next_tokens], np.asarray(features, np.float32)], axis=1)
-        x = self.products.apply(self.products.prepare(np.ascontiguousarray(joined, np.float32)), self.fc)
-        logits, found = self.model.forward_features([(cache, next_tokens)], inputs=x)
-        return found[0], logits[0]
+        d = self.cfg.d_model
+        joined = np.empty((len(next_tokens), 2 * d), np.float32)
+        joined[:, :d] = self.embed[next_tokens]
+        joined[:, d:] = features
+        x = self.products.apply(self.products.prepare(joined), self.fc)
+        logits, found = self.model.forward_inputs(cache, x)
+        return found, logits
 
 
 def output_rows(path: Path | None, cfg: ModelConfig, embed: np.ndarray, ids: np.ndarray) -> np.ndarray:
