@@ -150,7 +150,7 @@ class FastModel:
         every row's logits and feature, the bits `forward_features([(cache, tokens)], inputs=x)` gives,
         without a batch's checks and bookkeeping. A head step is a fraction of a millisecond, and
         between two target forwards (whose weights leave the caches cold) that bookkeeping was about a
-        tenth of it (0.56-0.61 against 0.62-0.66 ms a one-row step on the AMD VM)."""
+        tenth of it (0.52-0.54 against 0.59-0.60 ms a one-row step on the AMD VM)."""
         rows = len(x)
         cache.reserve(cache.length + rows)
         self.forward_layers_native(x, [(cache, None)], np.array([0, rows]))
