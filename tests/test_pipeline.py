@@ -354,7 +354,14 @@ def test_eight_concurrent_clients_all_get_their_own_correct_output(pipeline: Pip
     assert not errors and len(results) == 8
     for i, done in results.items():
         assert done.tokens == _reference(PROMPTS[i % 4], params, "none", 0).tokens
-    after = pipeline.wait_until(lambda r: r.active_requests == 0).lanes[0].totals
+
+    def counted(report) -> bool:
+        """The verify lane's totals (sent with its heartbeats) once they count all 8 requests' forwards:
+        it opened all 8 and has closed them. The orchestrator can see them done a heartbeat earlier."""
+        verify = report.lane("verify").totals
+        return verify.active_requests == 0 and verify.runs >= batches_before.runs + 8
+
+    after = pipeline.wait_until(counted, what="the verify lane's totals").lane("verify").totals
     rows = after.batched_rows - batches_before.batched_rows
     assert rows / (after.batches - batches_before.batches) > 1.5  # several requests shared forwards
 
