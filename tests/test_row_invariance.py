@@ -24,7 +24,7 @@ from pipeline.decoding.drafters.registry import make_draft_source
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
-from pipeline.model import Model, load_model
+from pipeline.model import Model, load_model, row_cache
 
 from .tinymodel import TinySpec, random_weights, reference_logits, write_tiny_gguf
 
@@ -305,6 +305,28 @@ def test_default_model_logits_are_row_invariant(served_model):
     model.forward(mine, tokens[:30])
     got = model.forward_batch([(other, tokens[5:30]), (mine, tokens[30:])])[1]
     assert np.array_equal(got, want[30:])
+
+
+@given(st.integers(1, 70_000))
+def test_a_key_row_stride_is_a_multiple_of_16_and_never_of_256(capacity):
+    stride = row_cache._stride(capacity)
+    assert capacity <= stride <= capacity + 31 and stride % 16 == 0 and stride % 256 != 0
+
+
+def test_the_cache_s_capacity_changes_no_bit(served_model):
+    """A cache's capacity sets its rows' stride (`row_cache._stride`): the same tokens give the same
+    bits in caches whose strides are 48, 144, 272 and 1,040 elements, batched together or not."""
+    model = served_model
+    if model.backend == "numpy":
+        pytest.skip(f"the default backend here is {model.backend}")
+    tokens = model.tokenizer.encode("The stride of a cache's rows is layout, never arithmetic.")[:40]
+    caches = [model.new_cache(capacity=c) for c in (41, 130, 260, 1030)]
+    assert [c.stride for c in caches] == [48, 144, 272, 1040]
+    want = model.forward(caches[0], tokens)
+    for cache in caches[1:]:
+        assert np.array_equal(model.forward(cache, tokens), want)
+    steps = model.forward_batch([(cache, [tokens[-1]]) for cache in caches])
+    assert all(np.array_equal(step, steps[0]) for step in steps)
 
 
 def test_the_thread_count_changes_no_bit(served_model):
