@@ -9,7 +9,7 @@ at p + 2; the prediction is also the feature the next draft row reads.
 
 The head's weights are quantized to 5-bit blocks (once per head file, then kept in the weight cache:
 `packed_matrices`) and its layer runs through the same C code as the target's
-(`FastModel.forward_features` with `inputs`), so a draft row costs about one target layer plus a
+(`FastModel.forward_inputs`), so a draft row costs about one target layer plus a
 product over the draft vocabulary. Its numbers change only which tokens are drafted, never
 the output: a drafted token is a point proposal, verified exactly.
 

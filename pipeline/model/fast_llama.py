@@ -119,8 +119,9 @@ class FastModel:
         """`forward_batch`'s logits (`all_logits` per sequence: `llama.logit_rows`), and every row's
         feature: the final norm's output, which the LM head reads and a learned drafter takes as input
         (none unless `features`). `inputs`: the rows the layers start from in place of the tokens'
-        embeddings (a draft head's own input rows). A feature is computed per row like everything
-        else here, so it is row-invariant too."""
+        embeddings (a draft head's own input rows; a head step runs them through `forward_inputs`,
+        which is tested against this). A feature is computed per row like everything else here, so
+        it is row-invariant too."""
         cfg = self.cfg
         ids = validate_batch(cfg, batch)
         seqs = [(item[0], shape) for item, shape in zip(batch, batch_parents(batch, ids), strict=True)]
