@@ -46,7 +46,7 @@ class Pipeline:
             return c.status()
 
     def lane(self, name: str):
-        return next(lane for lane in self.status().lanes if lane.name == name)
+        return self.status().lane(name)
 
     def wait_until(self, predicate, timeout: float = 30.0, what: str = "condition") -> StatusReport:
         deadline = time.monotonic() + timeout
@@ -60,7 +60,7 @@ class Pipeline:
 
     def wait_lane_up(self, name: str, old_pid: int | None, timeout: float = 30.0) -> None:
         def ready(report: StatusReport) -> bool:
-            lane = next(lane for lane in report.lanes if lane.name == name)
+            lane = report.lane(name)
             return lane.state == "up" and lane.pid != old_pid
 
         self.wait_until(ready, timeout, f"{name} lane back up")

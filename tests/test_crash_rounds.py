@@ -219,7 +219,7 @@ def gateway_round(pipeline: Pipeline, body: bytes) -> tuple[float, dict[int, str
     freed_after = time.monotonic() - killed_at
     for thread in threads:
         thread.join(30)
-    pipeline.wait_until(lambda r: next(x for x in r.lanes if x.name == "verify").active_requests == 0)
+    pipeline.wait_until(lambda r: r.lane("verify").active_requests == 0)
     pipeline.wait_lane_up("gateway", gateway, timeout=60)
     return freed_after, outcomes
 

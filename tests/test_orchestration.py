@@ -140,7 +140,7 @@ def test_a_failed_draft_lane_leaves_plain_decoding_and_says_why_once(world, mode
     world.fail("draft", "OSError: no such drafter file")
     world.fail("draft", "OSError: no such drafter file")  # announced again: nothing new happens
     assert finished(world, request_id).tokens == reference(model, SEEDED, "none").tokens
-    draft = next(lane for lane in world.hub.status().lanes if lane.name == "draft")
+    draft = world.hub.status().lane("draft")
     assert (draft.state, draft.reason) == ("failed", "OSError: no such drafter file")
     assert world.faults("lane_failed") == ["draft"] and world.faults("lane_down") == []
     fault = next(f for f in world.hub.ledger.faults if f.kind == "lane_failed")

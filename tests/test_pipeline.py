@@ -280,9 +280,7 @@ def test_a_verify_lane_killed_mid_stream_of_a_structured_request_changes_nothing
     assert done.finish_reason == "stop"
     jsonschema.validate(json.loads(done.text), STORY_SCHEMA)
     pipeline.wait_until(
-        lambda r: (
-            next(x for x in r.lanes if x.name == "verify").restarts > before.restarts and r.audit_pending == 0
-        ),
+        lambda r: r.lane("verify").restarts > before.restarts and r.audit_pending == 0,
         what="the verify lane restarted and the audit outbox empty",
     )
     assert verify_request(request_id, pipeline.events(request_id), _served_model(), None).verdict == "pass"
@@ -299,7 +297,7 @@ def test_a_client_that_disconnects_frees_its_request(pipeline: Pipeline) -> None
     client.close()  # gone without a word
 
     def freed(report) -> bool:
-        verify = next(x for x in report.lanes if x.name == "verify")
+        verify = report.lane("verify")
         return report.active_requests == 0 and verify.active_requests == 0
 
     pipeline.wait_until(freed, timeout=20, what="the abandoned request to be freed")
@@ -546,7 +544,7 @@ def _serves_across_hosts(host_a: Pipeline, host_b: Pipeline) -> None:
 
     # The lane's totals reach the orchestrator with its next heartbeat, not with the reply.
     def verify_counted(report) -> bool:
-        verify = next(lane for lane in report.lanes if lane.name == "verify")
+        verify = report.lane("verify")
         return verify.pid is not None and verify.totals.runs >= 1
 
     host_a.wait_until(verify_counted, timeout=10, what="the verify lane's heartbeat to count the run")

@@ -28,7 +28,7 @@ from pipeline.protocol.client import Client
 
 
 def lane_of(client: Client, name: str):
-    return next(lane for lane in client.status().lanes if lane.name == name)
+    return client.status().lane(name)
 
 
 def back_after_kill(client: Client, name: str) -> float:
