@@ -301,3 +301,16 @@ def test_asking_for_features_changes_no_logit(tiny, all_logits):
     assert all(np.array_equal(x, y) for x, y in zip(plain, logits, strict=True))
     alone = features_of(model, [*a, 0])[: len(a)]  # one sequence, and a row more, in its own forward
     assert np.array_equal(features[0], alone) and len(features[1]) == len(b)
+
+
+@given(st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=2, max_size=64, unique=True))
+def test_top_two_gives_the_two_likeliest_with_their_softmax_probabilities(values):
+    logits = np.asarray(values, np.float32)
+    if len(np.unique(logits)) < len(logits):  # distinct as float32, so the order is unambiguous
+        return
+    (best, p_best), (second, p_second) = learned.top_two(logits)
+    order = np.argsort(-logits.astype(np.float64))
+    assert (best, second) == (order[0], order[1])
+    z = np.exp(logits.astype(np.float64) - logits.max())
+    assert p_best == pytest.approx(z[best] / z.sum(), rel=1e-5)
+    assert p_second == pytest.approx(z[second] / z.sum(), rel=1e-5, abs=1e-12)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pipeline.decoding.tree import path
 from pipeline.model import load_model
+from pipeline.model.llama import moved_rows
 
 from .tinymodel import TinySpec, write_tiny_gguf
 
@@ -86,6 +87,18 @@ def test_a_kept_path_continues_like_one_token_at_a_time(tiny, prefix, tree, data
     want = np.concatenate([model.forward(chain, [t]) for t in [*prefix, *(tokens[r] for r in kept), *after]])
     assert cache.length == len(prefix) + len(kept) + len(after)
     assert agree(model, got, want[-len(after) :])
+
+
+@given(tree=trees(), data=st.data())
+def test_keep_copies_from_the_first_row_out_of_its_place(tree, data):
+    """`keep` leaves the kept path's rows that are already in place: they are exactly its prefix
+    0, 1, ..., moved - 1, and the row at `moved` (if any) is out of place."""
+    _, parents = tree
+    kept = path(parents, data.draw(st.integers(0, len(parents) - 1)))
+    rows, moved = moved_rows(kept)
+    assert np.array_equal(rows, kept)
+    assert np.array_equal(rows[:moved], np.arange(moved))
+    assert moved == len(kept) or rows[moved] != moved
 
 
 def test_a_tree_shares_a_batch_with_chains_without_changing_their_bits(tiny):

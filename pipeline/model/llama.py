@@ -73,14 +73,23 @@ class KVCache:
         as offsets from `start`) at positions start, start + 1, ... and drop every other row.
 
         A tree row's keys were rotated for its depth, which is its place on the path, so moving
-        its K/V is all the compaction there is."""
-        rows = np.asarray(slots, dtype=np.int64)
+        its K/V is all the compaction there is. The path's rows already in their places (its first
+        row, and often the first child after it) stay where they are."""
+        rows, moved = moved_rows(slots)
         if rows.size and (rows.min() < 0 or start + rows.max() >= self.length):
             raise ValueError(f"tree rows {slots} are not in a cache of {self.length} from {start}")
-        source = start + rows
-        self.k[..., start : start + rows.size] = self.k[..., source]
-        self.v[:, :, start : start + rows.size] = self.v[:, :, source]
+        source = start + rows[moved:]
+        self.k[..., start + moved : start + rows.size] = self.k[..., source]
+        self.v[:, :, start + moved : start + rows.size] = self.v[:, :, source]
         self.length = start + rows.size
+
+
+def moved_rows(slots: Sequence[int]) -> tuple[np.ndarray, int]:
+    """A kept tree path's rows as an array, and the index of the first that is not already in place
+    (`len(slots)` if none moves): `KVCache.keep` copies only the rows from there on."""
+    rows = np.asarray(slots, dtype=np.int64)
+    out_of_place = np.flatnonzero(rows != np.arange(rows.size))
+    return rows, int(out_of_place[0]) if out_of_place.size else rows.size
 
 
 @dataclass(frozen=True)

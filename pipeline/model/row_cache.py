@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.llama import KVCache
+from pipeline.model.llama import KVCache, moved_rows
 
 WINDOW_MARGIN = 64
 
@@ -187,10 +187,10 @@ class RowCache(KVCache):
             )
         super().keep(start, slots)
         if self.n_local:
-            rows = np.asarray(slots, dtype=np.int64)
+            rows, moved = moved_rows(slots)
             at = start - self.base
-            self.local_k[..., at : at + rows.size] = self.local_k[..., at + rows]
-            self.local_v[:, :, at : at + rows.size] = self.local_v[:, :, at + rows]
+            self.local_k[..., at + moved : at + rows.size] = self.local_k[..., at + rows[moved:]]
+            self.local_v[:, :, at + moved : at + rows.size] = self.local_v[:, :, at + rows[moved:]]
 
     def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Layer `layer`'s keys and values, its buffer's stride and the position its slot 0 holds."""
