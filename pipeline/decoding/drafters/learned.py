@@ -29,6 +29,7 @@ import numpy as np
 
 from pipeline.decoding.drafters import EMPTY, Candidates, Proposal, kinds
 from pipeline.decoding.sampling import SamplingParams
+from pipeline.decoding.tree import chain
 from pipeline.model.draft_head import DraftHead
 
 # Draft no deeper than where the head gives the path this chance: a draft costs a head step (about
@@ -110,32 +111,33 @@ class LearnedDrafter:
         for p in range(true_end, n):  # context tokens past the known features: read predictions
             feature, rows = self.head.step(self.cache, [int(context[p + 1])], feature)
             last = rows[-1]
-        drafts: list[int] = []
-        parents: list[int] = []
+        drafts: list[int] = []  # the chain of the head's choices: node d is depth d + 1
         shares: list[float] = []
-        chain_end, path = -1, 1.0  # the chain's last node (-1: the root) and the head's odds of reaching it
-        while len(drafts) < k:
+        leaves: list[tuple[int, int, float]] = []  # runners-up: (token, parent node, share)
+        path = 1.0  # the head's odds of reaching the chain's end
+        while len(drafts) + len(leaves) < k:
             (best, p_best), (second, p_second) = top_two(last)
             path *= p_best
             if path < max(floor, MIN_PATH):
                 break
-            node = len(drafts)
             drafts.append(int(self.head.vocab[best]))
-            parents.append(chain_end)
             shares.append(p_best)
-            if tree and len(drafts) < k:  # the runner-up as a leaf beside it: one more row, no head step
-                drafts.append(int(self.head.vocab[second]))
-                parents.append(chain_end)
-                shares.append(p_second)
-            chain_end = node
-            if len(drafts) >= k:
+            if tree and len(drafts) + len(leaves) < k:  # the runner-up beside it: one more row, no head step
+                leaves.append((int(self.head.vocab[second]), len(drafts) - 2, p_second))
+            if len(drafts) + len(leaves) >= k:
                 break
-            feature, rows = self.head.step(self.cache, [drafts[node]], feature)
+            feature, rows = self.head.step(self.cache, [drafts[-1]], feature)
             last = rows[-1]
         self.cache.truncate(len(self.row_tokens))  # predicted rows are dropped; true rows kept
         if not drafts:
             return EMPTY
-        return Proposal(drafts, None, self.name, parents if tree else None, shares)
+        if not tree:
+            return Proposal(drafts, None, self.name, None, shares)
+        # The chain's nodes first, then the leaves: where the target keeps the chain's path, its rows
+        # are already in their places in the verify cache (`KVCache.keep` moves none).
+        tokens = [*drafts, *(token for token, _, _ in leaves)]
+        parents = [*chain(len(drafts)), *(parent for _, parent, _ in leaves)]
+        return Proposal(tokens, None, self.name, parents, [*shares, *(share for _, _, share in leaves)])
 
     def candidates(self, context: Sequence[int], k: int, floor: float = 0.0) -> Candidates:
         """The tree `propose` would draft, as weighted continuations (`drafters.Candidates`), so that
