@@ -13,6 +13,7 @@ from pipeline.decoding.sampling import SamplingParams, draw, request_seed, sampl
 
 from .stats import chi_square
 
+LOGITS = st.floats(-60, 60, width=32)
 logit_rows = arrays(np.float32, st.integers(2, 64), elements=st.floats(-30, 30, width=32, allow_nan=False))
 settings_strategy = st.builds(
     SamplingParams,
@@ -30,6 +31,22 @@ def test_target_probs_is_a_distribution(logits, params):
     assert probs.sum() == pytest.approx(1.0)
     # The most likely token always survives every filter.
     assert probs[int(np.argmax(logits))] > 0
+
+
+@settings(max_examples=200)
+@given(
+    arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(2, 5000)), elements=LOGITS),
+    st.sampled_from([0.3, 0.8, 1.0, 1.7]),
+)
+def test_target_probs_keeps_the_bits_of_exp_out_of_place(logits, temperature):
+    """The in-place exp gives the float64 rows the out-of-place formula gave (the draws that audit
+    trails recorded before it must replay to the same tokens), one row or a block."""
+    scaled = logits.astype(np.float64) / temperature
+    want = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    want /= want.sum(axis=-1, keepdims=True)
+    params = SamplingParams(temperature=temperature)
+    assert np.array_equal(target_probs(logits, params), want)
+    assert np.array_equal(target_probs(logits[0], params), want[0])
 
 
 @given(logit_rows, settings_strategy)
@@ -105,6 +122,15 @@ def test_invalid_settings_are_refused(field, value, message):
 @given(logit_rows, st.integers(0, 2**32))
 def test_greedy_consumes_no_randomness(logits, seed):
     assert sample_at(target_probs(logits, SamplingParams()), seed, 9) == (int(np.argmax(logits)), None)
+
+
+@settings(max_examples=300)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**62), st.sampled_from(sorted(PURPOSES.values())))
+def test_a_position_s_number_is_the_first_double_of_its_philox_stream(seed, position, purpose):
+    """The definition audit trails are checked against: a Philox generator keyed by the seed, its
+    counter at (position, purpose), built afresh (`uniform` resets one per thread instead)."""
+    fresh = np.random.Generator(np.random.Philox(key=seed, counter=[position, purpose, 0, 0]))
+    assert uniform(seed, position, purpose) == fresh.random()
 
 
 @settings(max_examples=200)

@@ -132,7 +132,10 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if 0 < params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    # exp in place: the same bits as np.exp(scaled - max) (`test_sampling`), without a second
+    # (vocab,) float64 array, which took 0.4-0.6 ms of every sampled row of the default model.
+    probs = scaled - scaled.max(axis=-1, keepdims=True)
+    np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
         probs = _top_p(probs, scaled, params.top_p)
@@ -174,9 +177,8 @@ def sample_at(probs: np.ndarray, seed: int, position: int, purpose: int = SAMPLE
     """A token from one probability row with the number keyed by (seed, position, purpose), and
     that number. None when only one token is possible: greedy decoding (and any filter that
     leaves one token) uses no randomness."""
-    support = np.flatnonzero(probs)
-    if support.size == 1:
-        return int(support[0]), None
+    if np.count_nonzero(probs) == 1:  # counted, not listed: a listing cost 0.1 ms a row
+        return int(np.flatnonzero(probs)[0]), None
     u = uniform(seed, position, purpose)
     return draw(probs, u), u
 

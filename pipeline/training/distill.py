@@ -158,6 +158,12 @@ def greedy_answers(found: list[Triple]) -> list[Triple]:
     return [s for i, s in enumerate(found) if not sampled(i)]
 
 
+def sampled_answers(found: list[Triple]) -> list[Triple]:
+    """The answers drawn at TEMPERATURE among a held-out set's sequences: where a deterministic
+    drafter's drafts match the token drawn, as seeded decoding keeps them (`ops/bench/learned_bound.py`)."""
+    return [s for i, s in enumerate(found) if sampled(i)]
+
+
 def load_shards(out: Path) -> list[tuple[np.ndarray, int, np.ndarray]]:
     """Every sequence on disk: (tokens, prompt length, features)."""
     found = []
