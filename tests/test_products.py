@@ -38,8 +38,8 @@ def activations(rows: int, seed: int, n_in: int) -> np.ndarray:
     return x
 
 
-def product(lib, x: np.ndarray, matrix: NativeMatrix | list[NativeMatrix]) -> np.ndarray:
-    products = NativeProducts(lib)
+def product(lib, x: np.ndarray, matrix: NativeMatrix | list[NativeMatrix], streamed: bool = True):
+    products = NativeProducts(lib, streamed)
     return products.apply(products.prepare(x), matrix)
 
 
@@ -69,6 +69,15 @@ def test_each_row_is_computed_alone_whatever_the_pass(native_lib, kind):
         got = product(native_lib, x[:rows], matrix)
         assert got.shape == (rows, N_OUT)
         assert np.array_equal(got, alone[:rows]), rows
+
+
+@pytest.mark.parametrize("kind", BLOCK_TYPES)
+def test_streamed_weights_give_the_same_bits(native_lib, kind):
+    """`streamed` only changes how the weights are prefetched (non-temporally, in one pass)."""
+    matrix = pack(random_blocks(kind, seed=4))
+    for rows in (1, 5, 8, 9, 17):
+        x = activations(rows, seed=rows, n_in=width(kind))
+        assert np.array_equal(product(native_lib, x, matrix, False), product(native_lib, x, matrix)), rows
 
 
 @pytest.mark.parametrize("kind", BLOCK_TYPES)

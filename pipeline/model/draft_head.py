@@ -113,7 +113,7 @@ class DraftHead:
             "attn_norm": f32["attn_norm"], "ffn_norm": f32["ffn_norm"], "bqkv": None,
             **{name: [packed[name]] for name in LAYER_MATRICES},
         }  # fmt: skip
-        products = NativeProducts(row_kernels())
+        products = NativeProducts(row_kernels(), streamed=False)  # read again a step later: kept in cache
         self.fc = [packed["fc"]]
         self.products = products
         head, kind = packed["head"], packed["head"].kind

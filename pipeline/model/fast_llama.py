@@ -56,15 +56,17 @@ def _address(a: np.ndarray | None) -> int | None:
 
 
 def c_layers(
-    cfg: ModelConfig, layers: list[dict[str, Any]], ropes: list[tuple[np.ndarray, ...]]
+    cfg: ModelConfig, layers: list[dict[str, Any]], ropes: list[tuple[np.ndarray, ...]], streamed: bool
 ) -> ctypes.Array:
-    """The layers as layers.c's structs, built once: their arrays are memory-mapped and never move."""
+    """The layers as layers.c's structs, built once: their arrays are memory-mapped and never move.
+    `streamed`: `NativeProducts.streamed` of these weights."""
 
     def matrix(parts: list[NativeMatrix]) -> CMatrix:
         if len(parts) > MAX_PARTS:
             raise ValueError(f"a product of {len(parts)} parts (layers.c takes {MAX_PARTS})")
         c_parts = [CPart(m.data.ctypes.data, KINDS[m.kind], m.n_out) for m in parts]
-        return CMatrix((CPart * MAX_PARTS)(*c_parts), len(parts), sum(m.n_out for m in parts), parts[0].n_in)
+        n_out = sum(m.n_out for m in parts)
+        return CMatrix((CPart * MAX_PARTS)(*c_parts), len(parts), n_out, parts[0].n_in, streamed)
 
     slots = layer_slots(cfg)
     return (CLayer * len(layers))(*[
@@ -92,9 +94,10 @@ class FastModel:
         self.backend, self.weight_format, self.description = products.name, weight_format, description
         self.step_bytes = step_bytes
         self.lib = row_kernels()
-        self.head_products = NativeProducts(self.lib)
+        native = isinstance(products, NativeProducts)
+        self.head_products = NativeProducts(self.lib, products.streamed if native else True)
         self.ropes = layer_ropes(cfg, rope_freqs)
-        self.c_layers = c_layers(cfg, layers, self.ropes) if isinstance(products, NativeProducts) else None
+        self.c_layers = c_layers(cfg, layers, self.ropes, products.streamed) if native else None
 
     def describe(self) -> str:
         """What this target computes, in one line (bench model, status, audit)."""

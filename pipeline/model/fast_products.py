@@ -34,10 +34,14 @@ class Quantized:
 
 
 class NativeProducts:
+    """`streamed`: the weights it multiplies by are a target model's, read once a forward and larger than
+    the caches, so the kernels let them pass through without evicting what is read again (products.c's
+    gemm_blocks); False for a draft head's few MB, read again between two target forwards."""
+
     name = "native"
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, streamed: bool = True) -> None:
+        self.lib, self.streamed = lib, streamed
 
     def prepare(self, x: np.ndarray) -> Quantized:
         rows, width = x.shape
@@ -55,7 +59,8 @@ class NativeProducts:
         for part in parts:
             self.lib.gemm_blocks(a.q.ctypes.data, a.scale.ctypes.data, a.sums.ctypes.data,
                                  a.half_sums.ctypes.data, a.rows, a.width, part.data.ctypes.data,
-                                 KINDS[part.kind], part.n_out, out.ctypes.data + 4 * column, n)  # fmt: skip
+                                 KINDS[part.kind], part.n_out, out.ctypes.data + 4 * column, n,
+                                 self.streamed)  # fmt: skip
             column += part.n_out
         return out
 

@@ -50,4 +50,4 @@ typedef struct {
 void rope_attend_batch(AttendJob *jobs, int n_jobs, int n_heads, int n_kv, int hd, float scale);
 void quantize_q8(const float *x, int rows, int k, int8_t *xq, float *dx, int32_t *sx, int32_t *sh);
 void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, const int32_t *sh, int rows, int k,
-                 const uint8_t *w, int kind, int n, float *out, int ldo);
+                 const uint8_t *w, int kind, int n, float *out, int ldo, int streamed);

@@ -21,6 +21,7 @@ typedef struct {
 typedef struct {
     Part parts[MAX_PARTS];
     int n_parts, n_out, n_in;
+    int streamed; /* a target's weights, read once a forward (gemm_blocks) */
 } Matrix;
 
 typedef struct {
@@ -53,7 +54,7 @@ static void product(const float *x, int rows, const Matrix *m, Scratch *s, float
     quantize_q8(x, rows, m->n_in, s->xq, s->dx, s->sx, s->sh);
     for (int p = 0, column = 0; p < m->n_parts; column += m->parts[p].n_out, p++)
         gemm_blocks(s->xq, s->dx, s->sx, s->sh, rows, m->n_in, m->parts[p].data, m->parts[p].kind,
-                    m->parts[p].n_out, out + column, m->n_out);
+                    m->parts[p].n_out, out + column, m->n_out, m->streamed);
 }
 
 /* Every sequence's attention in layer L, each in the buffer (global or local) the layer's K/V live

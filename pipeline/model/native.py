@@ -38,7 +38,7 @@ SIGNATURES = {
     "silu_mul_f32": (_P, _I, _I, _P),
     "gelu_mul_f32": (_P, _I, _I, _P),
     "quantize_q8": (_P, _I, _I, _P, _P, _P, _P),
-    "gemm_blocks": (_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I),
+    "gemm_blocks": (_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I),
     "has_vnni": (),
 }
 
@@ -51,7 +51,7 @@ class CPart(ctypes.Structure):
 
 
 class CMatrix(ctypes.Structure):
-    _fields_ = (("parts", CPart * MAX_PARTS), ("n_parts", _I), ("n_out", _I), ("n_in", _I))
+    _fields_ = (("parts", CPart * MAX_PARTS), ("n_parts", _I), ("n_out", _I), ("n_in", _I), ("streamed", _I))
 
 
 class CLayer(ctypes.Structure):

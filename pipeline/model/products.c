@@ -84,6 +84,7 @@ typedef struct {
     const int32_t *sx; /* (rows, k / 32) */
     const int32_t *sh; /* (rows, k / 32): the sum of each block's first 16 values */
     int k, blocks;
+    int once; /* the weights are read once (gemm_blocks' `streamed`, one pass): prefetched non-temporally */
 } Activations;
 
 /* One block of 32: xq = round(x * 127 / amax), dx = amax / 127, sx = sum of xq, sh = sum of the
@@ -322,7 +323,10 @@ INLINE void tile_pass(const uint8_t *tile, int kind, const Activations *a, int r
         for (int b = 0; b < a->blocks; b++) {
             const uint8_t *part = tile + b * bytes;
             /* past the last block this prefetches beyond the matrix: harmless, a prefetch never faults */
-            for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + PREFETCH * bytes + line);
+            if (a->once)
+                for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + PREFETCH * bytes + line, 0, 0);
+            else
+                for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + PREFETCH * bytes + line);
             Scale d = halves(part + vbytes), m = kind == Q8 ? d : halves(part + vbytes + 2 * TILE);
             block_rows(part, kind, d, m, a, r0, R, b, acc);
         }
@@ -339,8 +343,11 @@ INLINE void tile_pass(const uint8_t *tile, int kind, const Activations *a, int r
             }
             for (int j = 0; j < SUPER; j++) {
                 const uint8_t *values = unit + j * vbytes;
-                for (size_t line = 0; line < vbytes; line += 64)
-                    __builtin_prefetch(values + PREFETCH * vbytes + line);
+                if (a->once)
+                    for (size_t line = 0; line < vbytes; line += 64)
+                        __builtin_prefetch(values + PREFETCH * vbytes + line, 0, 0);
+                else
+                    for (size_t line = 0; line < vbytes; line += 64) __builtin_prefetch(values + PREFETCH * vbytes + line);
                 Scale A, B;
                 if (kind == Q6K) {
                     A = scale_mul(d, bytes_s(scales + 2 * TILE * j));
@@ -409,11 +416,19 @@ typedef struct {
  * others'. Why not a static split: on these 2-core machines another process often takes a core for a
  * while in the middle of a forward, and a static split then leaves the other thread waiting at the
  * loop's end for the descheduled one's whole half. Why not dynamic chunks: the threads' claims
- * interleave across the matrix, and on the AMD VM a forward took 4% to 20% longer that way. */
+ * interleave across the matrix, and on the AMD VM a forward took 4% to 20% longer that way.
+ *
+ * `streamed`: the matrix belongs to weights read once a forward and larger than the caches (a target
+ * model's). Where one pass reads each tile once, its blocks are prefetched non-temporally, so they
+ * pass through without evicting what the next step reads again: the KV caches, and the few MB of a
+ * draft head's weights (streamed 0), read between two target forwards. On the AMD VM a one-row forward
+ * and a forward of 8 one-row sequences took 4-6% less time, and a prefill the same (ops/bench notes in
+ * docs/benchmarks.md). With several passes a tile is read again from cache, so it is prefetched as
+ * usual. */
 void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, const int32_t *sh, int rows, int k,
-                 const uint8_t *w, int kind, int n, float *out, int ldo) {
-    Activations a = {xq, dx, sx, sh, k, k / 32};
+                 const uint8_t *w, int kind, int n, float *out, int ldo, int streamed) {
     int tiles = (n + TILE - 1) / TILE, passes = (rows + MAX_PASS - 1) / MAX_PASS;
+    Activations a = {xq, dx, sx, sh, k, k / 32, streamed && passes == 1};
     size_t tile_bytes = (size_t)(is_super(kind) ? a.blocks / SUPER : a.blocks) * unit_bytes(kind);
     int chunk = tile_bytes >= CHUNK_BYTES ? 1 : (int)(CHUNK_BYTES / tile_bytes);
     int shares = omp_get_max_threads();
