@@ -76,20 +76,21 @@ class KVCache:
         its K/V is all the compaction there is. The path's rows already in their places (its first
         row, and often the first child after it) stay where they are."""
         rows, moved = moved_rows(slots)
-        if rows.size and (rows.min() < 0 or start + rows.max() >= self.length):
+        if rows and (min(rows) < 0 or start + max(rows) >= self.length):
             raise ValueError(f"tree rows {slots} are not in a cache of {self.length} from {start}")
-        source = start + rows[moved:]
-        self.k[..., start + moved : start + rows.size] = self.k[..., source]
-        self.v[:, :, start + moved : start + rows.size] = self.v[:, :, source]
-        self.length = start + rows.size
+        if moved < len(rows):
+            source = np.asarray(rows[moved:], np.int64) + start
+            self.k[..., start + moved : start + len(rows)] = self.k[..., source]
+            self.v[:, :, start + moved : start + len(rows)] = self.v[:, :, source]
+        self.length = start + len(rows)
 
 
-def moved_rows(slots: Sequence[int]) -> tuple[np.ndarray, int]:
-    """A kept tree path's rows as an array, and the index of the first that is not already in place
-    (`len(slots)` if none moves): `KVCache.keep` copies only the rows from there on."""
-    rows = np.asarray(slots, dtype=np.int64)
-    out_of_place = np.flatnonzero(rows != np.arange(rows.size))
-    return rows, int(out_of_place[0]) if out_of_place.size else rows.size
+def moved_rows(slots: Sequence[int]) -> tuple[list[int], int]:
+    """A kept tree path's rows, and the index of the first that is not already in place (`len(slots)`
+    if none moves): `KVCache.keep` copies only the rows from there on. Plain Python: a path is a few
+    rows, and numpy's fixed costs were most of a keep that moved nothing."""
+    rows = [int(row) for row in slots]
+    return rows, next((i for i, row in enumerate(rows) if row != i), len(rows))
 
 
 @dataclass(frozen=True)

@@ -188,9 +188,11 @@ class RowCache(KVCache):
         super().keep(start, slots)
         if self.n_local:
             rows, moved = moved_rows(slots)
-            at = start - self.base
-            self.local_k[..., at + moved : at + rows.size] = self.local_k[..., at + rows[moved:]]
-            self.local_v[:, :, at + moved : at + rows.size] = self.local_v[:, :, at + rows[moved:]]
+            if moved < len(rows):
+                at = start - self.base
+                source = np.asarray(rows[moved:], np.int64) + at
+                self.local_k[..., at + moved : at + len(rows)] = self.local_k[..., source]
+                self.local_v[:, :, at + moved : at + len(rows)] = self.local_v[:, :, source]
 
     def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Layer `layer`'s keys and values, its buffer's stride and the position its slot 0 holds."""
