@@ -11,12 +11,14 @@ import itertools
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
@@ -25,6 +27,8 @@ from pipeline.protocol.client import Client, PipelineError
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import Chunk
 from pipeline.service.launch import launch, stop
+
+R = TypeVar("R")  # one run of a benchmark, as `paired` reads its rate
 
 
 def load_note() -> str:
@@ -137,6 +141,14 @@ def settled_status(client: Client, config: Config):
     """Lane totals travel in heartbeats: wait for a few so the last step is counted."""
     time.sleep(3 * config.run.heartbeat_seconds + 0.1)
     return client.status()
+
+
+def paired(runs: Sequence[R], baseline: Sequence[R], rate: Callable[[R], float]) -> float:
+    """The median over the rounds of each round's ratio: a round runs every contender once, back to
+    back, so a ratio compares runs seconds apart, not a quiet minute of one against a busy minute
+    of the other (on the shared 2-core VMs the same build's plain rate drifts by 10% or more, and
+    on the AMD VM a forward's time moved by up to 30% between blocks of seconds in one process)."""
+    return statistics.median(rate(a) / rate(b) for a, b in zip(runs, baseline, strict=True))
 
 
 def lane_pids(report) -> dict[str, int]:

@@ -23,9 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
 
-from pipeline.bench.common import WORKLOADS, load_note, result_decode_rate, workload_prompt
+from pipeline.bench.common import WORKLOADS, load_note, paired, result_decode_rate, workload_prompt
 from pipeline.bench.flags import add_backend_flag, add_common_flags
 from pipeline.decoding.drafters.kinds import needs_draft_model, needs_head, parts, samples
 from pipeline.decoding.drafters.registry import make_draft_source
@@ -61,13 +60,6 @@ def run_one(
 
 def end_to_end_rate(result: Result) -> float:
     return result.stats.tokens_per_second
-
-
-def paired(runs: list[Result], baseline: list[Result], rate: Callable[[Result], float]) -> float:
-    """The median over the rounds of each round's ratio: a round runs every drafter once, back to
-    back, so a ratio compares runs seconds apart, not a quiet minute of one against a busy minute
-    of the other (on the shared 2-core VMs the same build's plain rate drifts by 10% or more)."""
-    return statistics.median(rate(a) / rate(b) for a, b in zip(runs, baseline, strict=True))
 
 
 def workloads(held_out: int) -> dict[str, str]:
