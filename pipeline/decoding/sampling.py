@@ -133,7 +133,7 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)
     # exp in place: the same bits as np.exp(scaled - max) (`test_sampling`), without a second
-    # (vocab,) float64 array, which took 0.4-0.6 ms of every sampled row of the default model.
+    # (vocab,) float64 array; a row of the default model took about a fifth less time that way.
     probs = scaled - scaled.max(axis=-1, keepdims=True)
     np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)

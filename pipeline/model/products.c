@@ -313,6 +313,14 @@ INLINE void acc_zero(Acc *acc) { memset(acc, 0, sizeof *acc); }
 INLINE void acc_store(const Acc *acc, float *out, int width) { memcpy(out, acc->v, sizeof(float) * width); }
 #endif
 
+/* The cache lines of `bytes` from p on, non-temporally where the weights are read once (`once`). */
+INLINE void prefetch_lines(const uint8_t *p, size_t bytes, int once) {
+    if (once)
+        for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 0);
+    else
+        for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line);
+}
+
 /* Rows r0 .. r0 + R - 1 against one tile of 16 outputs, over every block in order. */
 INLINE void tile_pass(const uint8_t *tile, int kind, const Activations *a, int r0, const int R, float *out,
                       int ldo, int width) {
@@ -323,10 +331,7 @@ INLINE void tile_pass(const uint8_t *tile, int kind, const Activations *a, int r
         for (int b = 0; b < a->blocks; b++) {
             const uint8_t *part = tile + b * bytes;
             /* past the last block this prefetches beyond the matrix: harmless, a prefetch never faults */
-            if (a->once)
-                for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + PREFETCH * bytes + line, 0, 0);
-            else
-                for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(part + PREFETCH * bytes + line);
+            prefetch_lines(part + PREFETCH * bytes, bytes, a->once);
             Scale d = halves(part + vbytes), m = kind == Q8 ? d : halves(part + vbytes + 2 * TILE);
             block_rows(part, kind, d, m, a, r0, R, b, acc);
         }
@@ -343,11 +348,7 @@ INLINE void tile_pass(const uint8_t *tile, int kind, const Activations *a, int r
             }
             for (int j = 0; j < SUPER; j++) {
                 const uint8_t *values = unit + j * vbytes;
-                if (a->once)
-                    for (size_t line = 0; line < vbytes; line += 64)
-                        __builtin_prefetch(values + PREFETCH * vbytes + line, 0, 0);
-                else
-                    for (size_t line = 0; line < vbytes; line += 64) __builtin_prefetch(values + PREFETCH * vbytes + line);
+                prefetch_lines(values + PREFETCH * vbytes, vbytes, a->once);
                 Scale A, B;
                 if (kind == Q6K) {
                     A = scale_mul(d, bytes_s(scales + 2 * TILE * j));
