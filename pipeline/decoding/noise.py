@@ -23,6 +23,9 @@ DRAFT = 3  # the model drafter's own sample of its proposal
 PURPOSES = {"sample": SAMPLE, "accept": ACCEPT, "residual": RESIDUAL, "draft": DRAFT}
 
 
+_thread = threading.local()  # this thread's generator, for `uniform`
+
+
 def uniform(seed: int, position: int, purpose: int) -> float:
     """The number in [0, 1) for (seed, position, purpose): the first double of a Philox stream
     whose key is the seed and whose counter starts at (position, purpose).
@@ -44,6 +47,3 @@ def uniform(seed: int, position: int, purpose: int) -> float:
         "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
     }  # fmt: skip
     return float(generator.random())
-
-
-_thread = threading.local()  # this thread's generator, for `uniform`
