@@ -121,20 +121,22 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     Works on one row (vocab,) or a block of rows (n, vocab); returns float64 rows
     that sum to 1. Greedy gives the one-hot of the first argmax.
     """
-    logits = np.asarray(logits, dtype=np.float64)
     if params.greedy:
+        logits = np.asarray(logits, dtype=np.float64)
         probs = np.zeros_like(logits)
         np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
         return probs
-    scaled = logits / params.temperature
+    # Every step below in float64, in place where nothing reads the input again: the same bits as
+    # logits.astype(float64) / T, then np.exp(scaled - max) (`test_sampling`), in fewer passes and
+    # (vocab,) arrays; a row of the default model took about a fifth less time.
+    scaled = np.divide(logits, params.temperature, dtype=np.float64)
     if params.min_p > 0.0:
         scaled = _min_p(scaled, params.min_p)
     if 0 < params.top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -params.top_k, axis=-1)[..., -params.top_k, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)
-    # exp in place: the same bits as np.exp(scaled - max) (`test_sampling`), without a second
-    # (vocab,) float64 array; a row of the default model took about a fifth less time that way.
-    probs = scaled - scaled.max(axis=-1, keepdims=True)
+    top = scaled.max(axis=-1, keepdims=True)
+    probs = scaled - top if params.top_p < 1.0 else np.subtract(scaled, top, out=scaled)  # _top_p reads it
     np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
