@@ -73,8 +73,9 @@ class KVCache:
         as offsets from `start`) at positions start, start + 1, ... and drop every other row.
 
         A tree row's keys were rotated for its depth, which is its place on the path, so moving
-        its K/V is all the compaction there is. The path's rows already in their places (its first
-        row, and often the first child after it) stay where they are."""
+        its K/V is all the compaction there is. The path's rows already in their places stay where
+        they are: its first row always, and all of it where it follows the nodes a drafter laid out
+        first (the learned head puts its chain before its leaves)."""
         rows, moved = moved_rows(slots)
         if rows and (min(rows) < 0 or start + max(rows) >= self.length):
             raise ValueError(f"tree rows {slots} are not in a cache of {self.length} from {start}")
