@@ -423,8 +423,8 @@ typedef struct {
  * model's). Where one pass reads each tile once, its blocks are prefetched non-temporally, so they
  * pass through without evicting what the next step reads again: the KV caches, and the few MB of a
  * draft head's weights (streamed 0), read between two target forwards. On the AMD VM a one-row forward
- * and a forward of 8 one-row sequences took 4-6% less time, and a prefill the same (ops/bench notes in
- * docs/benchmarks.md). With several passes a tile is read again from cache, so it is prefetched as
+ * and a forward of 8 one-row sequences took 4-6% less time, and a prefill the same (docs/benchmarks.md,
+ * kernel settings). With several passes a tile is read again from cache, so it is prefetched as
  * usual. */
 void gemm_blocks(const int8_t *xq, const float *dx, const int32_t *sx, const int32_t *sh, int rows, int k,
                  const uint8_t *w, int kind, int n, float *out, int ldo, int streamed) {
