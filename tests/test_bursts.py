@@ -187,6 +187,20 @@ def test_a_journal_transaction_commits_once_nests_and_rolls_back_whole(tmp_path)
     assert len(journal.recover().faults) == 1
 
 
+def test_acknowledged_events_leave_the_outbox_in_one_commit(tmp_path):
+    """Outside a transaction SQLite commits each statement of an executemany by itself: a write into
+    the WAL and its locks for every event the audit lane acknowledged."""
+    journal = Journal(tmp_path / "j.sqlite")
+    for event in "abcd":
+        journal.outbox_add(event, b"1")
+    statements: list[str] = []
+    journal.db.set_trace_callback(statements.append)
+    journal.outbox_ack(["a", "b", "c"])
+    journal.db.set_trace_callback(None)
+    assert [s.split()[0] for s in statements] == ["BEGIN", "DELETE", "DELETE", "DELETE", "COMMIT"]
+    assert [e for e, _ in journal.recover().outbox] == ["d"]
+
+
 def step_event(request_id: str, step: int) -> StepEvent:
     return StepEvent(
         event_id=f"{request_id}:{step}", request_id=request_id, time=float(step), step=step, drafter="none",
