@@ -8,8 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from pipeline.decoding import sampling
 from pipeline.decoding.noise import PURPOSES, uniform
-from pipeline.decoding.sampling import SamplingParams, draw, request_seed, sample_at, target_probs
+from pipeline.decoding.sampling import (
+    SamplingParams,
+    draw,
+    native_draw,
+    request_seed,
+    sample_at,
+    target_probs,
+)
+from pipeline.model import native
+from pipeline.model.errors import BackendUnavailable
 
 from .stats import chi_square
 
@@ -80,6 +90,51 @@ def test_draw_lands_on_the_support(weights, u):
     if weights.sum() == 0:
         weights[0] = 1.0
     assert weights[draw(weights, u)] > 0
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    try:
+        return native.row_kernels()
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+# Rows of eighths and u on the eighths as well: u * total lands exactly on a running sum, where
+# searchsorted's side="right" must move past it.
+eighths = arrays(np.float64, st.integers(1, 300), elements=st.sampled_from([0.0, 0.125, 0.25, 1.0]))
+spread = st.one_of(st.just(0.0), st.floats(1e-310, 1e300), st.floats(0, 1))
+weights = arrays(np.float64, st.integers(1, 300), elements=spread)
+draws = st.one_of(st.floats(0, 1, exclude_max=True), st.integers(0, 7).map(lambda k: k / 8))
+
+
+@settings(max_examples=300)
+@given(st.one_of(eighths, weights), draws)
+def test_the_native_draw_is_numpy_s_draw_and_count(kernels, row, u):
+    """draw.c adds in numpy's cumsum order: the same index for every row and u, and the same count."""
+    nonzero = int(np.count_nonzero(row))
+    if nonzero == 0 or not np.isfinite(row.sum()):
+        assert native_draw(kernels, row, u) is None  # left to numpy
+        return
+    want = int(np.flatnonzero(row)[0]) if nonzero == 1 else draw(row, u)
+    assert native_draw(kernels, row, u) == (want, nonzero)
+
+
+@pytest.mark.parametrize("row", [[0.5, np.nan], [0.5, -0.1, 0.6], [0.0, 0.0], [np.inf, 1.0]])
+def test_the_native_draw_leaves_rows_it_cannot_order_to_numpy(kernels, row):
+    assert native_draw(kernels, np.array(row), 0.5) is None
+
+
+@given(logit_rows, st.integers(0, 2**32), st.integers(0, 2**20))
+def test_sample_at_is_the_same_with_and_without_the_kernels(kernels, logits, seed, position):
+    probs = target_probs(logits, SamplingParams(temperature=0.8, max_tokens=1))
+    for row in np.atleast_2d(probs):
+        with_kernels = sample_at(row, seed, position)
+        try:
+            sampling.loaded_kernels = lambda: None
+            assert sample_at(row, seed, position) == with_kernels
+        finally:
+            sampling.loaded_kernels = native.loaded_kernels
 
 
 def test_draw_follows_the_distribution():

@@ -8,6 +8,7 @@ number that can be recorded and replayed.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import secrets
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ import numpy as np
 
 from pipeline.decoding.grammar.format import parse_response_format
 from pipeline.decoding.noise import SAMPLE, uniform
+from pipeline.model.native import loaded_kernels
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # any context is far smaller; the bound keeps every integer in 64 bits
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]; -100 bans the token (`controls`)
@@ -178,11 +180,41 @@ def draw(probs: np.ndarray, u: float) -> int:
 def sample_at(probs: np.ndarray, seed: int, position: int, purpose: int = SAMPLE) -> tuple[int, float | None]:
     """A token from one probability row with the number keyed by (seed, position, purpose), and
     that number. None when only one token is possible: greedy decoding (and any filter that
-    leaves one token) uses no randomness."""
+    leaves one token) uses no randomness. Where this process has the native kernels loaded,
+    `draw.c` counts and draws in one pass, with the same result (`test_sampling`)."""
+    if (drawn := native_sample(probs, seed, position, purpose)) is not None:
+        return drawn
     if np.count_nonzero(probs) == 1:  # counted, not listed: a listing cost 0.1 ms a row
         return int(np.flatnonzero(probs)[0]), None
     u = uniform(seed, position, purpose)
     return draw(probs, u), u
+
+
+def native_sample(
+    probs: np.ndarray, seed: int, position: int, purpose: int
+) -> tuple[int, float | None] | None:
+    """`sample_at` by `draw.c`, or None where the kernels are not loaded or the row is one it leaves
+    to numpy (`native_draw`)."""
+    if (kernels := loaded_kernels()) is None or probs.dtype != np.float64 or not probs.flags.c_contiguous:
+        return None
+    u = uniform(seed, position, purpose)
+    if (found := native_draw(kernels, probs, u)) is None:
+        return None
+    index, nonzero = found
+    return (index, None) if nonzero == 1 else (index, u)
+
+
+def native_draw(kernels: ctypes.CDLL, probs: np.ndarray, u: float) -> tuple[int, int] | None:
+    """`draw(probs, u)` and `np.count_nonzero(probs)` in one pass of `draw.c` (where one entry is
+    nonzero, that entry's index), for a contiguous float64 row; None for a row it leaves to numpy
+    (a NaN, an infinity, a negative entry, no mass)."""
+    nonzero, last = ctypes.c_long(), ctypes.c_long()
+    index = kernels.draw_f64(probs.ctypes.data, probs.size, u, ctypes.byref(nonzero), ctypes.byref(last))
+    if index < 0:
+        return None
+    if nonzero.value == 1 or index >= probs.size:  # the one token; or round-off past the end, as `draw`
+        return last.value, nonzero.value
+    return index, nonzero.value
 
 
 class TargetRows:

@@ -1,5 +1,6 @@
-"""Builds and loads the fast runtime's C kernels: `rowkernels.c` (norms, RoPE and attention, SiLU)
-and `products.c` (the GGUF's 4-, 5-, 6- and 8-bit blocks times 8-bit activations).
+"""Builds and loads the fast runtime's C kernels: `rowkernels.c` (norms, RoPE and attention, SiLU),
+`products.c` (the GGUF's 4-, 5-, 6- and 8-bit blocks times 8-bit activations), `layers.c` (a
+forward's layers) and `draw.c` (a sampled row's inverse-CDF draw).
 
 They are compiled on first use with the machine's C compiler for the machine's own CPU
 (`-march=native`), into the weight cache under a key of the source, the flags and the CPU
@@ -26,7 +27,9 @@ from pipeline.model.errors import BackendUnavailable
 from pipeline.model.sealed import seal_file
 from pipeline.model.store import cache_root, intact_file
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowkernels.c", "products.c", "layers.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("rowkernels.c", "products.c", "layers.c", "draw.c")
+)
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-shared", "-fPIC")
 
@@ -40,8 +43,11 @@ SIGNATURES = {
     "quantize_q8": (_P, _I, _I, _P, _P, _P, _P),
     "gemm_blocks": (_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I),
     "has_vnni": (),
+    "draw_f64": (_P, ctypes.c_long, ctypes.c_double, _P, _P),
 }
 
+
+RESTYPES = {"has_vnni": ctypes.c_int, "draw_f64": ctypes.c_long}  # the rest return nothing
 
 MAX_PARTS = 3  # layers.c
 
@@ -145,11 +151,17 @@ def row_kernels() -> ctypes.CDLL:
     return load_library(target)
 
 
+def loaded_kernels() -> ctypes.CDLL | None:
+    """The library if this process has loaded it (a native model did), else None: a caller that has
+    a numpy path of the same bits (sampling's draw) never makes a process build it."""
+    return row_kernels() if row_kernels.cache_info().currsize else None
+
+
 def load_library(target: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     for name, argtypes in SIGNATURES.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, (ctypes.c_int if name == "has_vnni" else None)
+        function.argtypes, function.restype = argtypes, RESTYPES.get(name)
     return library
 
 
