@@ -154,6 +154,18 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def native_lib():
+    """This machine's build of the native kernels (skipped where it cannot be built)."""
+    from pipeline.model import native
+    from pipeline.model.errors import BackendUnavailable
+
+    try:
+        return native.row_kernels()
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def portable_kernels(tmp_path_factory: pytest.TempPathFactory):
     """The native kernels built for a plain x86-64-v2 CPU (no AVX2, no AVX-512, no VNNI): the
     portable C path, which must give the same bits as this machine's build."""

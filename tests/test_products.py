@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.model import native
-from pipeline.model.errors import BackendUnavailable
 from pipeline.model.fast_products import NativeProducts
 from pipeline.model.native_weights import NativeMatrix, QuantBlocks, dequantize, fuse_runs, pack, split_blocks
 from tests.kquants import BLOCK_TYPES, K_TYPES, random_raw
@@ -41,14 +39,6 @@ def activations(rows: int, seed: int, n_in: int) -> np.ndarray:
 def product(lib, x: np.ndarray, matrix: NativeMatrix | list[NativeMatrix], streamed: bool = True):
     products = NativeProducts(lib, streamed)
     return products.apply(products.prepare(x), matrix)
-
-
-@pytest.fixture(scope="module")
-def native_lib():
-    try:
-        return native.row_kernels()
-    except BackendUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.mark.parametrize("kind", BLOCK_TYPES)
