@@ -79,10 +79,7 @@ class KVCache:
         rows, moved = moved_rows(slots)
         if rows and (min(rows) < 0 or start + max(rows) >= self.length):
             raise ValueError(f"tree rows {slots} are not in a cache of {self.length} from {start}")
-        if moved < len(rows):
-            source = np.asarray(rows[moved:], np.int64) + start
-            self.k[..., start + moved : start + len(rows)] = self.k[..., source]
-            self.v[:, :, start + moved : start + len(rows)] = self.v[:, :, source]
+        move_path(self.k, self.v, start, rows, moved)
         self.length = start + len(rows)
 
 
@@ -92,6 +89,15 @@ def moved_rows(slots: Sequence[int]) -> tuple[list[int], int]:
     rows, and numpy's fixed costs were most of a keep that moved nothing."""
     rows = [int(row) for row in slots]
     return rows, next((i for i, row in enumerate(rows) if row != i), len(rows))
+
+
+def move_path(k: np.ndarray, v: np.ndarray, at: int, rows: list[int], moved: int) -> None:
+    """In one pair of K/V buffers whose slot `at` holds the path's root: rows[moved:] (offsets from
+    `at`, from `moved_rows`) copied to slots at + moved, at + moved + 1, ... (nothing where none moves)."""
+    if moved < len(rows):
+        source = np.asarray(rows[moved:], np.int64) + at
+        k[..., at + moved : at + len(rows)] = k[..., source]
+        v[:, :, at + moved : at + len(rows)] = v[:, :, source]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.llama import KVCache, moved_rows
+from pipeline.model.llama import KVCache, move_path, moved_rows
 
 WINDOW_MARGIN = 64
 
@@ -187,12 +187,7 @@ class RowCache(KVCache):
             )
         super().keep(start, slots)
         if self.n_local:
-            rows, moved = moved_rows(slots)
-            if moved < len(rows):
-                at = start - self.base
-                source = np.asarray(rows[moved:], np.int64) + at
-                self.local_k[..., at + moved : at + len(rows)] = self.local_k[..., source]
-                self.local_v[:, :, at + moved : at + len(rows)] = self.local_v[:, :, source]
+            move_path(self.local_k, self.local_v, start - self.base, *moved_rows(slots))
 
     def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Layer `layer`'s keys and values, its buffer's stride and the position its slot 0 holds."""
