@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from pipeline.bench.common import cpu_cgroup, render_header, scheduler_note
 from pipeline.bench.pipeline_bench import headline, inter_token_ms, render_auto_vs_none
 
 from .pipeline_harness import alive
@@ -52,6 +53,23 @@ def test_auto_against_none_is_printed_precisely_enough_to_see_why_it_missed():
     assert render_auto_vs_none({"auto_vs_none": 0.998}) == [
         "auto / none at N clients: 0.998x (target >= 1.00x: NOT met)"
     ]
+
+
+def test_the_scheduler_note_names_autogroups_and_the_cpu_cgroup(tmp_path):
+    """Autogroups apply only in the root cpu cgroup: the note gives both facts, from cgroup v1's `cpu`
+    line or else v2's unified one, and says what it could not read."""
+    v1 = ["12:pids:/user.slice", "4:cpu,cpuacct:/system.slice/x.service", "0::/system.slice/x.service"]
+    assert cpu_cgroup(v1) == "/system.slice/x.service"
+    assert cpu_cgroup(["1:cpu:/", "0::/elsewhere"]) == "/"
+    assert cpu_cgroup(["0::/user.slice/session-3.scope"]) == "/user.slice/session-3.scope"
+    assert cpu_cgroup(["garbage", ""]) == "unknown"
+    (tmp_path / "autogroup").write_text("1\n")
+    (tmp_path / "cgroup").write_text("0::/\n")
+    assert scheduler_note(tmp_path / "autogroup", tmp_path / "cgroup") == "autogroup=1 cpu_cgroup=/"
+    assert scheduler_note(tmp_path / "none", tmp_path / "none") == "autogroup=absent cpu_cgroup=unknown"
+    assert render_header({"load": "0.10/0.20/0.30", "scheduler": "autogroup=0 cpu_cgroup=/"}) == (
+        "load=0.10/0.20/0.30 scheduler=autogroup=0 cpu_cgroup=/"
+    )
 
 
 BENCH_KILLED = """

@@ -18,11 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.model import Runtime as Model
+from pipeline.model import backend_key
+from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.protocol.client import Client, PipelineError
 from pipeline.protocol.config import Config
 from pipeline.protocol.messages import Chunk
@@ -35,6 +37,53 @@ def load_note() -> str:
     """The machine's load when a benchmark starts (1, 5 and 15 minute load averages): figures
     from a busy machine are not comparable with a quiet one's."""
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
+CGROUP = Path("/proc/self/cgroup")
+
+
+def machine_header(model: Model, curve: Sequence[float] | None = None) -> dict[str, Any]:
+    """What a benchmark's figures depend on besides the code, printed before them: the runtime and
+    its kernel path, the CPU and the flags its kernels use, the machine's load at the start, and with
+    `curve` (`calibration.row_seconds`) what a forward of r rows costs against one of one row."""
+    header: dict[str, Any] = {
+        "runtime": backend_key(model), "kernel_path": model.describe(), "cpu": cpu_name(),
+        "cpu_flags": kernel_flags(), "load": load_note(),
+    }  # fmt: skip
+    if curve is not None:
+        header["t(rows)/t(1)"] = ",".join(f"{r}:{curve[r - 1] / curve[0]:.2f}" for r in (2, 4, 8, 16, 33))
+    return header
+
+
+def render_header(header: dict[str, Any]) -> str:
+    return " ".join(f"{key}={value}" for key, value in header.items())
+
+
+def scheduler_note(autogroup: Path = AUTOGROUP, cgroup: Path = CGROUP) -> str:
+    """How the kernel weighs the pipeline's processes against each other: whether it groups tasks by
+    session (`autogroup=1`; that applies to tasks in the root cpu cgroup only) and this process's cpu
+    cgroup. With autogroups each lane, a session of its own, weighs on a core as much as the verify
+    lane's two forward threads together, and the helpers' weight moves 8-client figures by up to a
+    tenth (docs/benchmarks.md, "Scheduling the helpers")."""
+    try:
+        enabled = autogroup.read_text().strip()
+    except OSError:
+        enabled = "absent"
+    try:
+        lines = cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    return f"autogroup={enabled} cpu_cgroup={cpu_cgroup(lines)}"
+
+
+def cpu_cgroup(lines: Sequence[str]) -> str:
+    """The cpu controller's cgroup among /proc/<pid>/cgroup's lines ("id:controllers:path"): cgroup v1's
+    line naming `cpu`, else the v2 unified line ("0::path")."""
+    fields = [line.split(":", 2) for line in lines if line.count(":") >= 2]
+    found = [path for _, controllers, path in fields if "cpu" in controllers.split(",")]
+    found += [path for _, controllers, path in fields if controllers == ""]
+    return found[0] if found else "unknown"
 
 
 def progress(bench: str, text: str) -> None:

@@ -15,6 +15,9 @@ comes from the verify lane putting several requests' rows through one forward, s
 verify lane's batch counters are reported with it, and the CPU each process used, to show
 where the time goes when the gain falls short.
 
+Its first line names the runtime, the CPU, the load before and after, and how the kernel weighs
+the lanes against each other (`common.scheduler_note`), which moves the 8-client figures.
+
 The benchmark starts its own pipelines in private run directories (never a user's) and
 stops them whatever happens. Every output is checked against the reference for the same
 prompt; any difference makes the exit code 1.
@@ -39,9 +42,13 @@ from pipeline.bench.common import (
     chat_prompt,
     cpu_snapshot,
     lane_pids,
+    load_note,
+    machine_header,
     paired,
+    render_header,
     running_pipeline,
     same_output,
+    scheduler_note,
     settled_status,
     via_pipeline,
 )
@@ -501,6 +508,8 @@ def render(results: dict) -> str:
     h = results["summary"]
     scaling = ", ".join(f"{name} {s:.2f}x" for name, s in h["scaling"].items())
     lines = [
+        render_header(results["machine"]),
+        "",
         *render_stream(results["single_stream"]),
         "",
         *render_load(results["load"]),
@@ -564,6 +573,7 @@ def main(args: argparse.Namespace) -> int:
     settings = [*([f"model.path={args.model}"] if args.model else []), *args.set]
     model = load_model(model_path(args.model), set_backend(args.set))
     stream_params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    header = machine_header(model) | {"scheduler": scheduler_note()}  # before any run: the load at the start
     port = http_clients.free_port()
     gateway = None if args.no_gateway else f"http://127.0.0.1:{port}"
     with running_pipeline([*settings, *(gateway_settings(port) if gateway else [])]) as config:
@@ -573,7 +583,7 @@ def main(args: argparse.Namespace) -> int:
     load_params = SamplingParams(max_tokens=args.load_tokens, ignore_eos=True)
     load_results = load(settings, load_drafters, args.clients, args.load_repeats, load_params)
     load_results["ceiling"] = batch_ceiling(model, load_prompts(args.clients), args.load_tokens)
-    results = {"single_stream": single, "load": load_results}
+    results = {"machine": header | {"load_after": load_note()}, "single_stream": single, "load": load_results}
     results["summary"] = headline(results)
     print(json.dumps(results, indent=2) if args.json else render(results))
     return 0 if results["summary"]["identical"] else 1

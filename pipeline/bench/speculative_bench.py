@@ -24,7 +24,14 @@ import argparse
 import json
 import statistics
 
-from pipeline.bench.common import WORKLOADS, load_note, paired, result_decode_rate, workload_prompt
+from pipeline.bench.common import (
+    WORKLOADS,
+    machine_header,
+    paired,
+    render_header,
+    result_decode_rate,
+    workload_prompt,
+)
 from pipeline.bench.flags import add_backend_flag, add_common_flags
 from pipeline.decoding.drafters.kinds import needs_draft_model, needs_head, parts, samples
 from pipeline.decoding.drafters.registry import make_draft_source
@@ -32,9 +39,8 @@ from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.decoding.speculative import decode
 from pipeline.model import Runtime as Model
-from pipeline.model import backend_key, load_model
+from pipeline.model import load_model
 from pipeline.model.calibration import row_seconds
-from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.model.default import model_path
 from pipeline.model.draft_head import DraftHead, head_for
 
@@ -164,18 +170,14 @@ def main(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
     curve = row_seconds(model)  # calibrated before any timed run, as a lane does at start
-    header = {
-        "runtime": backend_key(model), "kernel_path": model.describe(), "cpu": cpu_name(),
-        "cpu_flags": kernel_flags(), "load": load_note(),
-        "t(rows)/t(1)": ",".join(f"{r}:{curve[r - 1] / curve[0]:.2f}" for r in (2, 4, 8, 16, 33)),
-    }  # fmt: skip
+    header = machine_header(model, curve)
     header["draft_head"] = "none (learned left out)" if head is None else head.meta.get("made", "?")
     results = {name: run(model, drafters, draft_model, args.repeats, params, head, args.held_out)
                for name, params in sections.items()}  # fmt: skip
     if args.json:
         print(json.dumps({"machine": header, "sections": results}, indent=2))
     else:
-        print(" ".join(f"{key}={value}" for key, value in header.items()))
+        print(render_header(header))
         for name, params in sections.items():
             print(f"\n{name}: temperature={params.temperature} seed={params.seed}")
             print(render(results[name]))

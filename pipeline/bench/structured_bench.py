@@ -28,7 +28,14 @@ from typing import Any
 
 import msgspec
 
-from pipeline.bench.common import chat_prompt, load_note, progress, result_decode_rate
+from pipeline.bench.common import (
+    chat_prompt,
+    load_note,
+    machine_header,
+    progress,
+    render_header,
+    result_decode_rate,
+)
 from pipeline.bench.flags import add_backend_flag, add_common_flags
 from pipeline.bench.schemas import ORDER, PERSON, TOOL_CALL, bounded
 from pipeline.bench.speculative_bench import identity_expected, run_one
@@ -36,9 +43,8 @@ from pipeline.decoding.grammar.format import canonical_response_format
 from pipeline.decoding.result import Result
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.model import Runtime as Model
-from pipeline.model import backend_key, load_model
+from pipeline.model import load_model
 from pipeline.model.calibration import row_seconds
-from pipeline.model.cpu import cpu_name, kernel_flags
 from pipeline.model.default import model_path
 
 WORKLOADS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -178,11 +184,7 @@ def main(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         )
     curve = row_seconds(model)  # calibrated before any timed run, as a lane does at start
-    header = {
-        "runtime": backend_key(model), "kernel_path": model.describe(), "cpu": cpu_name(),
-        "cpu_flags": kernel_flags(), "load": load_note(),
-        "t(rows)/t(1)": ",".join(f"{r}:{curve[r - 1] / curve[0]:.2f}" for r in (2, 4, 8, 16, 33)),
-    }  # fmt: skip
+    header = machine_header(model, curve)
     drafters = args.drafters.split(",")
     if "none" not in drafters:
         drafters.insert(0, "none")  # the baseline every row is compared with
@@ -191,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"machine": header, "sections": results}, indent=2))
     else:
-        print(" ".join(f"{key}={value}" for key, value in header.items()))
+        print(render_header(header))
         for name, params in sections.items():
             print(f"\n{name}: temperature={params.temperature} seed={params.seed}")
             print(render(results[name]))
