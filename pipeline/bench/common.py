@@ -46,7 +46,7 @@ CGROUP = Path("/proc/self/cgroup")
 def machine_header(model: Model, curve: Sequence[float] | None = None) -> dict[str, Any]:
     """What a benchmark's figures depend on besides the code, printed before them: the runtime and
     its kernel path, the CPU and the flags its kernels use, the machine's load at the start, and with
-    `curve` (`calibration.row_seconds`) what a forward of r rows costs against one of one row."""
+    `curve` (`calibration.row_seconds`) what a forward of r rows costs against a forward of one."""
     header: dict[str, Any] = {
         "runtime": backend_key(model), "kernel_path": model.describe(), "cpu": cpu_name(),
         "cpu_flags": kernel_flags(), "load": load_note(),
