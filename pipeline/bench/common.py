@@ -63,9 +63,9 @@ def render_header(header: dict[str, Any]) -> str:
 def scheduler_note(autogroup: Path = AUTOGROUP, cgroup: Path = CGROUP) -> str:
     """How the kernel weighs the pipeline's processes against each other: whether it groups tasks by
     session (`autogroup=1`; that applies to tasks in the root cpu cgroup only) and this process's cpu
-    cgroup. With autogroups each lane, a session of its own, weighs on a core as much as the verify
-    lane's two forward threads together, and the helpers' weight moves 8-client figures by up to a
-    tenth (docs/benchmarks.md, "Scheduling the helpers")."""
+    cgroup. With autogroups each lane, a session of its own, is a group weighted like the verify lane's,
+    so a busy helper takes two thirds of the core it shares with a forward thread, and the helpers'
+    weight moves 8-client figures by up to a tenth (docs/benchmarks.md, "Scheduling the helpers")."""
     try:
         enabled = autogroup.read_text().strip()
     except OSError:
