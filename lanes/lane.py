@@ -26,9 +26,10 @@ from opentelemetry.sdk.metrics.export import MetricReader
 
 from pipeline.observability.process_stats import ProcessStats
 from pipeline.observability.telemetry import Telemetry
-from pipeline.protocol.config import Config
+from pipeline.protocol.config import HELPERS, Config
 from pipeline.protocol.messages import Fault, FaultKind, Heartbeat, SpeculativeState
 from pipeline.protocol.transport import Outbox
+from pipeline.service.autogroup import set_autogroup_nice
 
 log = logging.getLogger(__name__)
 REPLY_BUFFER = 256  # replies a lane's data Outbox holds while its pipe writes the ones before
@@ -132,6 +133,8 @@ def lane_main(
         level=logging.INFO, format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s"
     )
     config = load_resolved(args.config)
+    if name in HELPERS and config.run.helper_nice:
+        set_autogroup_nice(config.run.helper_nice)
 
     telemetry = Telemetry.configure(
         name, config.telemetry.dir, config.run_id(), readers=readers, rotation=config.telemetry.rotation()

@@ -27,6 +27,8 @@ COMPONENTS = (*LANES, "gateway")
 MESSAGE_OVERHEAD = 64 << 10
 # Nothing decodes without these: their failure stops the pipeline; the others' failure degrades it.
 ESSENTIAL = ("orchestrator", "verify")
+# The lanes `run.helper_nice` makes lighter than the verify lane's forward (pipeline/service/autogroup.py).
+HELPERS = ("orchestrator", "audit")
 # In a restarted orchestrator's environment: its predecessor's LaneDown (JSON), which no orchestrator
 # was there to hear on the control lane.
 PREDECESSOR = "SPECLANES_PREDECESSOR"
@@ -71,6 +73,11 @@ class Run(Section):
     # clients then handle them between two forwards instead of stalling one. 0 on a machine with cores
     # to spare.
     report_pause_seconds: Annotated[float, Meta(ge=0.0, le=0.1)] = 0.002
+    # The autogroup nice (0-19) of the `HELPERS`' sessions. Where the kernel groups tasks by session, each
+    # lane weighs as much as the verify lane, and a busy helper takes most of a forward thread's core; a
+    # higher nice makes it wait for a free one: more tok/s with many clients, a little more inter-token
+    # latency at times (docs/benchmarks.md, "Scheduling the helpers"). 0: as heavy as the verify lane.
+    helper_nice: Annotated[int, Meta(ge=0, le=19)] = 0
     # Prompt rows per verify-lane forward while other requests decode; the rest waits for the next
     # forward, so their steps run between the chunks of a long prompt. 0: a whole prompt in one forward.
     # With none decoding, up to 512 rows (`Verifier.prefill_budget`).
