@@ -28,24 +28,35 @@ class Refusing:
         self.written = text
 
 
+def own() -> bool:
+    return True
+
+
 def test_the_nice_goes_to_the_session_group(tmp_path):
     path = tmp_path / "autogroup"
-    assert set_autogroup_nice(10, path)
+    assert set_autogroup_nice(10, path, own=own)
     assert path.read_text() == "10"
+
+
+def test_a_session_shared_with_a_terminal_keeps_its_group(tmp_path):
+    """A lane started by hand shares its shell's session: the shell's group is not the lane's to change."""
+    path = tmp_path / "autogroup"
+    assert not set_autogroup_nice(10, path, own=lambda: False)
+    assert not path.exists()
 
 
 def test_a_refused_change_is_tried_again_after_the_kernel_s_100_ms():
     slept: list[float] = []
     path = Refusing(times=2)
-    assert set_autogroup_nice(7, path, slept.append)  # type: ignore[arg-type]
+    assert set_autogroup_nice(7, path, slept.append, own)  # type: ignore[arg-type]
     assert path.written == "7" and slept == [RETRY_SECONDS] * 2
     never = Refusing(times=TRIES)
-    assert not set_autogroup_nice(7, never, slept.append)  # type: ignore[arg-type]
+    assert not set_autogroup_nice(7, never, slept.append, own)  # type: ignore[arg-type]
     assert never.written == ""
 
 
 def test_a_kernel_without_autogroups_is_not_an_error(tmp_path):
-    assert not set_autogroup_nice(10, tmp_path / "absent" / "autogroup")
+    assert not set_autogroup_nice(10, tmp_path / "absent" / "autogroup", own=own)
 
 
 def test_the_setting_is_a_nice_value():

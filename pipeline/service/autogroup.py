@@ -13,11 +13,14 @@ Raising an autogroup's nice needs no privilege and can be undone, unlike `SCHED_
 takes one such change in 100 ms from a writer without CAP_SYS_ADMIN, whichever process asks, so a
 refused write (EAGAIN) is tried again. Where autogroups do not apply (a container's or a service's own
 cpu cgroup) the write succeeds and changes nothing; where the kernel has none, the file is absent.
+The group is the session's: a lane the supervisor started leads a session of its own, but one started
+by hand shares its terminal's, whose group (the shell's, every job's) it leaves alone.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,9 +35,18 @@ RETRY_SECONDS = 0.11  # just over the kernel's 100 ms between two changes
 Sleep = Callable[[float], None]
 
 
-def set_autogroup_nice(nice: int, path: Path = AUTOGROUP, sleep: Sleep = time.sleep) -> bool:
-    """This process's session group at `nice` (0-19); False where the kernel has no autogroups or
-    would not take it."""
+def leads_own_session() -> bool:
+    return os.getsid(0) == os.getpid()
+
+
+def set_autogroup_nice(
+    nice: int, path: Path = AUTOGROUP, sleep: Sleep = time.sleep, own: Callable[[], bool] = leads_own_session
+) -> bool:
+    """This process's session group at `nice` (0-19); False where the session is not this process's
+    own, the kernel has no autogroups or it would not take the change."""
+    if not own():
+        log.info("autogroup nice %d not set: this process shares its session's group", nice)
+        return False
     for _ in range(TRIES):
         try:
             path.write_text(str(nice))
