@@ -22,17 +22,16 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-
 from pipeline.bench.common import (
     lane_pids,
     load_note,
+    paired,
     running_pipeline,
     scheduler_note,
     settled_status,
     via_pipeline,
 )
-from pipeline.bench.pipeline_bench import drive_clients, load_prompts
+from pipeline.bench.pipeline_bench import drive_clients, inter_token_ms, load_prompts
 from pipeline.decoding.sampling import SamplingParams
 from pipeline.protocol.client import Client
 
@@ -51,14 +50,16 @@ def apply(pids: list[int], mode: str) -> None:
     time.sleep(0.11)  # the kernel takes one autogroup change in 100 ms from an unprivileged writer
 
 
-def paired(rates: dict[str, list[float]], label: str) -> None:
+def report(rates: dict[str, list[float]], label: str) -> None:
+    """Each mode against the first: the median of each round's ratio (`common.paired`), and how many
+    rounds it won."""
     first, *others = rates
     medians = ", ".join(f"{mode} {statistics.median(found):.1f}" for mode, found in rates.items())
     for mode in others:
-        ratios = [b / a for a, b in zip(rates[first], rates[mode], strict=True)]
-        wins = sum(r > 1 for r in ratios)
-        print(f"{label}: {mode} against {first}: paired median {statistics.median(ratios):.3f} "
-              f"({wins} of {len(ratios)} won); medians {medians} tok/s")  # fmt: skip
+        wins = sum(b > a for a, b in zip(rates[first], rates[mode], strict=True))
+        ratio = paired(rates[mode], rates[first], float)
+        print(f"{label}: {mode} against {first}: paired median {ratio:.3f} "
+              f"({wins} of {len(rates[mode])} won); medians {medians} tok/s")  # fmt: skip
 
 
 def main() -> None:
@@ -84,7 +85,7 @@ def main() -> None:
                     apply(pids, mode)
                     rates[mode].append(via_pipeline(client, TEXT, params, args.drafter)["tokens_per_second"])
             if args.pairs:
-                paired(rates, "single stream")
+                report(rates, "single stream")
             prompts, params = load_prompts(args.clients), SamplingParams(max_tokens=80, ignore_eos=True)
             rates, gaps = {m: [] for m in modes}, {m: [] for m in modes}
             for i in range(args.rounds):
@@ -95,10 +96,10 @@ def main() -> None:
                     rates[mode].append(sum(len(o["tokens"]) for o in outs) / wall)
                     gaps[mode] += [g for o in outs for g in o["gaps"]]
             if args.rounds:
-                paired(rates, f"{args.clients} clients")
+                report(rates, f"{args.clients} clients")
                 for mode, found in gaps.items():
-                    p50, p99 = np.percentile(found, [50, 99]) * 1000
-                    print(f"  ITL {mode}: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+                    itl = inter_token_ms(found)  # as `bench pipeline` reports it
+                    print(f"  ITL {mode}: p50 {itl['p50']:.1f} ms, p99 {itl['p99']:.1f} ms")
         finally:
             apply(pids, "normal")
     print(f"load after: {load_note()}")
