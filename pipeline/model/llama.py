@@ -79,8 +79,13 @@ class KVCache:
         rows, moved = moved_rows(slots)
         if rows and (min(rows) < 0 or start + max(rows) >= self.length):
             raise ValueError(f"tree rows {slots} are not in a cache of {self.length} from {start}")
-        move_path(self.k, self.v, start, rows, moved)
+        self.move_kept(start, rows, moved)
         self.length = start + len(rows)
+
+    def move_kept(self, start: int, rows: list[int], moved: int) -> None:
+        """`keep`'s copy of the path's rows into place (`moved_rows`); a cache with buffers of its own
+        beside these (`RowCache`'s windowed layers) moves the same rows there too."""
+        move_path(self.k, self.v, start, rows, moved)
 
 
 def moved_rows(slots: Sequence[int]) -> tuple[list[int], int]:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.llama import KVCache, move_path, moved_rows
+from pipeline.model.llama import KVCache, move_path
 
 WINDOW_MARGIN = 64
 
@@ -186,8 +186,11 @@ class RowCache(KVCache):
                 f"tree rows from {start} are not in a local buffer holding positions from {self.base} on"
             )
         super().keep(start, slots)
+
+    def move_kept(self, start: int, rows: list[int], moved: int) -> None:
+        super().move_kept(start, rows, moved)
         if self.n_local:
-            move_path(self.local_k, self.local_v, start - self.base, *moved_rows(slots))
+            move_path(self.local_k, self.local_v, start - self.base, rows, moved)
 
     def layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Layer `layer`'s keys and values, its buffer's stride and the position its slot 0 holds."""
