@@ -39,7 +39,7 @@ def load_note() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
+AUTOGROUP_ENABLED = Path("/proc/sys/kernel/sched_autogroup_enabled")
 CGROUP = Path("/proc/self/cgroup")
 
 
@@ -60,7 +60,7 @@ def render_header(header: dict[str, Any]) -> str:
     return " ".join(f"{key}={value}" for key, value in header.items())
 
 
-def scheduler_note(autogroup: Path = AUTOGROUP, cgroup: Path = CGROUP) -> str:
+def scheduler_note(autogroup: Path = AUTOGROUP_ENABLED, cgroup: Path = CGROUP) -> str:
     """How the kernel weighs the pipeline's processes against each other: whether it groups tasks by
     session (`autogroup=1`; that applies to tasks in the root cpu cgroup only) and this process's cpu
     cgroup. With autogroups each lane, a session of its own, is a group weighted like the verify lane's,
