@@ -1,12 +1,16 @@
-"""The measuring scripts behind two README claims (`ops/bench/tree_bound.py`, `coupling.py`): their
-arithmetic, so a figure they print cannot come from a wrong count."""
+"""The measuring scripts behind the bounds the docs quote (`ops/bench/tree_bound.py`, `coupling.py`,
+`per_step_bound.py`): their arithmetic, so a figure they print cannot come from a wrong count, and the
+patch the last applies, so it still measures what it says."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,7 +19,8 @@ from pipeline.decoding.drafters.ngram import NgramSource
 from pipeline.decoding.drafters.suffix import SuffixSource
 from pipeline.decoding.sampling import SamplingParams
 
-BENCH = Path(__file__).resolve().parents[1] / "ops" / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "ops" / "bench"
 
 
 def script(name: str):
@@ -80,3 +85,25 @@ def test_shared_u_agreement_counts_interval_overlaps():
     # u in [0, 0.25) picks 0 from both, [0.5, 0.75) picks 1 from both: half the time
     assert coupling.coupled_acceptance(p, q) == 0.5
     assert coupling.rule_acceptance(p, q) == 0.75
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout"
+)
+def test_the_per_step_bound_patch_applies_and_switches_only_the_record_keeping():
+    """`per_step_bound.py` applies its patch to HEAD: one that no longer applies would stop the script,
+    and one that switched more than the record keeping would bound something else."""
+    patch = BENCH / "per_step_bound.patch"
+    check = subprocess.run(
+        ["git", "-C", str(ROOT), "apply", "--check", str(patch)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stderr
+    text = patch.read_text()
+    files = sorted(line.split(" b/")[-1] for line in text.splitlines() if line.startswith("diff --git"))
+    assert files == [
+        "pipeline/lean_mode.py", "pipeline/orchestration/hub.py", "pipeline/workers/driver.py",
+        "pipeline/workers/verifier.py",
+    ]  # fmt: skip
+    switched = [line for line in text.splitlines() if line.startswith("+ ") and "lean()" in line]
+    # the orchestrator's audit event, journal row and metrics; the verify lane's event and span event
+    assert len(switched) == 5
