@@ -31,6 +31,7 @@ from pipeline.protocol.messages import (
     Codec,
     Decided,
     StepEvent,
+    StepRecord,
     StepsJournaled,
     encode,
 )
@@ -187,6 +188,30 @@ def test_a_journal_transaction_commits_once_nests_and_rolls_back_whole(tmp_path)
     assert len(journal.recover().faults) == 1
 
 
+def test_a_transaction_writes_its_step_and_outbox_rows_in_order_at_its_commit(tmp_path):
+    """Held until the commit and written in one statement each: a later row for the same key still
+    replaces an earlier one, nothing is written before, and a rolled-back transaction writes none."""
+    journal = Journal(tmp_path / "j.sqlite")
+    with sqlite3.connect(tmp_path / "j.sqlite") as other:
+        with journal.transaction():
+            for step, token in ((0, 5), (1, 6), (1, 7)):
+                journal.stepped("r", StepRecord(step, 0, [token], 0, 0.0, 0.0, step))
+            journal.outbox_add("e", b"1")
+            journal.outbox_add("e", b"2")
+            assert other.execute("SELECT COUNT(*) FROM steps").fetchone() == (0,)
+        rows = other.execute("SELECT record FROM steps WHERE request_id = 'r' ORDER BY step").fetchall()
+        assert [msgspec.msgpack.decode(blob, type=StepRecord).tokens for (blob,) in rows] == [[5], [7]]
+        assert journal.recover().outbox == [("e", b"2")]
+        with pytest.raises(RuntimeError), journal.transaction():
+            journal.stepped("r", StepRecord(2, 0, [8], 0, 0.0, 0.0, 2))
+            raise RuntimeError
+        assert (journal.held_steps, journal.held_outbox) == ([], [])
+        assert other.execute("SELECT MAX(step) FROM steps").fetchone() == (1,)
+    journal.stepped("r", StepRecord(2, 0, [8], 0, 0.0, 0.0, 2))  # outside a transaction: at once
+    with sqlite3.connect(tmp_path / "j.sqlite") as other:
+        assert other.execute("SELECT MAX(step) FROM steps").fetchone() == (2,) and journal.held_steps == []
+
+
 def test_acknowledged_events_leave_the_outbox_in_one_commit(tmp_path):
     """Outside a transaction SQLite commits each statement of an executemany by itself: a write into
     the WAL and its locks for every event the audit lane acknowledged."""
@@ -301,8 +326,11 @@ class RefusedOnce(FullOnCommit):
 
     refused = stepped = False
 
+    def executemany(self, sql: str, *args: object) -> sqlite3.Cursor:
+        self.stepped = self.stepped or sql.startswith("INSERT OR REPLACE INTO steps")  # a burst's steps
+        return self.db.executemany(sql, *args)
+
     def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
-        self.stepped = self.stepped or sql.startswith("INSERT OR REPLACE INTO steps")
         if sql == "COMMIT" and self.stepped and not self.refused:
             self.refused = True
             raise sqlite3.OperationalError("attempt to write a readonly database")

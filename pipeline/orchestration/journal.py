@@ -105,6 +105,9 @@ class Journal:
         self.encoder = msgspec.msgpack.Encoder()
         self.failure = ""  # the last write that failed for want of space, until taken
         self.batching = False  # inside `transaction`: writes wait for its one commit
+        # Inside `transaction`, its step and outbox rows, written together just before its commit
+        self.held_steps: list[tuple[str, int, bytes]] = []
+        self.held_outbox: list[tuple[str, bytes]] = []
 
     @contextlib.contextmanager
     def _storage(self, critical: bool) -> Iterator[None]:
@@ -129,6 +132,7 @@ class Journal:
         try:
             self.db.execute("BEGIN")
             yield
+            self._write_held()
             if not self.db.in_transaction:
                 raise StorageFull(self.failure or "the journal's transaction was rolled back")
             with self._storage(critical=True):
@@ -139,6 +143,17 @@ class Journal:
             raise
         finally:
             self.batching = False
+            self.held_steps, self.held_outbox = [], []
+
+    def _write_held(self) -> None:
+        """The transaction's step and outbox rows, one statement each: one by one they cost a burst
+        a statement per row twice over, about a fifth of the orchestrator's work a step."""
+        if self.held_steps:
+            with self._storage(critical=True):
+                self.db.executemany("INSERT OR REPLACE INTO steps VALUES (?, ?, ?)", self.held_steps)
+        if self.held_outbox:
+            with self._storage(critical=False):
+                self.db.executemany("INSERT OR REPLACE INTO outbox VALUES (?, ?)", self.held_outbox)
 
     @contextlib.contextmanager
     def _atomic(self) -> Iterator[None]:
@@ -172,11 +187,13 @@ class Journal:
             )
 
     def stepped(self, request_id: str, record: StepRecord) -> None:
+        """Inside a transaction the row waits for its commit, and a full disk fails that commit."""
+        row = (request_id, record.step, self.encoder.encode(record))
+        if self.batching:
+            self.held_steps.append(row)
+            return
         with self._storage(critical=True):
-            self.db.execute(
-                "INSERT OR REPLACE INTO steps VALUES (?, ?, ?)",
-                (request_id, record.step, self.encoder.encode(record)),
-            )
+            self.db.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?)", row)
 
     def finished(self, request_id: str, result: Result, wall: float) -> None:
         with self._storage(critical=False):
@@ -193,6 +210,9 @@ class Journal:
     # --- the audit outbox, faults and counters -----------------------------------------
 
     def outbox_add(self, event_id: str, data: bytes) -> None:
+        if self.batching:  # with the transaction's commit (`stepped`)
+            self.held_outbox.append((event_id, data))
+            return
         with self._storage(critical=False):
             self.db.execute("INSERT OR REPLACE INTO outbox VALUES (?, ?)", (event_id, data))
 
