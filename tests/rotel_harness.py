@@ -25,6 +25,7 @@ AGENT = Path(rotel.__file__).parent / "rotel-agent"
 FIELD = re.compile(r"^\s+(Trace ID|Parent ID|ID|Name|Status code|Status message)\s*: ?(.*)$")
 ATTRIBUTE = re.compile(r"^\s+-> ([^:]+): (.*)$")
 TYPED = re.compile(r"^(Str|Int|Double|Bool)\((.*)\)$")
+ITEM = re.compile(r"(?:Str|Int|Double|Bool)\((.*?)\)(?:, |$)")  # one value of a Slice(...)
 
 
 @dataclass
@@ -36,11 +37,15 @@ class ReceivedSpan:
     span_id: str = ""
     name: str = ""
     status: str = ""
-    attributes: dict[str, str] = field(default_factory=dict)
-    events: list[dict[str, str]] = field(default_factory=list)
+    attributes: dict[str, str | list[str]] = field(default_factory=dict)
+    events: list[dict[str, str | list[str]]] = field(default_factory=list)
 
 
-def _plain(text: str) -> str:
+def _plain(text: str) -> str | list[str]:
+    """A value as the debug log prints it (`Int(3)`), bare; an array's (`Slice(Int(0), Int(3))`) as a
+    list of them (the tests' arrays hold no ", " or ")")."""
+    if text.startswith("Slice(") and text.endswith(")"):
+        return ITEM.findall(text[len("Slice(") : -1])
     match = TYPED.match(text)
     return match.group(2) if match else text
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
@@ -11,6 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pipeline.observability.telemetry import Telemetry
+from pipeline.workers.step_spans import PREFIX
 
 
 class MemoryTelemetry(Telemetry):
@@ -24,3 +26,11 @@ class MemoryTelemetry(Telemetry):
 
     def spans(self, name: str | None = None) -> list[ReadableSpan]:
         return [s for s in self.exporter.get_finished_spans() if name is None or s.name == name]
+
+
+def steps_of(attributes: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A run span's steps (`workers.step_spans`), one dict each (`{"number": 3, "k": 4, ...}`), from
+    its columns: an SDK span's tuples, or the lists of an exported one."""
+    columns = {k.removeprefix(PREFIX): v for k, v in attributes.items() if k.startswith(PREFIX)}
+    count = len(columns.get("number", ()))
+    return [{key: column[i] for key, column in columns.items()} for i in range(count)]

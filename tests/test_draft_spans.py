@@ -1,5 +1,6 @@
 """The draft lane's telemetry: a "draft" span per run of up to STEPS_PER_SPAN of a request's draft
-steps, an event per step, ended with the run's totals when full and when the request closes."""
+steps, each step's figures in its columns, ended with the run's totals when full and when the request
+closes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pipeline.model import Model
 from pipeline.workers.step_spans import STEPS_PER_SPAN
 
 from .orchestration_harness import World
+from .telemetry_harness import steps_of
 from .tinymodel import TinySpec, write_tiny_gguf
 
 
@@ -20,7 +22,7 @@ def model(tmp_path_factory) -> Model:
     return Model.load(path)
 
 
-def test_a_span_per_run_of_draft_steps_with_an_event_each(model):
+def test_a_span_per_run_of_draft_steps_with_each_step_in_its_columns(model):
     world = World(model)
     world.up()
     # k fixed: every step asks the draft lane (the controller would stop asking where the harness's
@@ -31,12 +33,16 @@ def test_a_span_per_run_of_draft_steps_with_an_event_each(model):
     assert world.result(request) is not None
     server = world.drafter_server("ngram")  # the verify lane's own
     spans = server.lane.telemetry.spans("draft")  # type: ignore[attr-defined]
-    events = [dict(e.attributes) for s in spans for e in s.events if e.name == "step"]
-    steps = [int(e["speclanes.step"]) for e in events]
+    rows = [row for s in spans for row in steps_of(s.attributes)]
+    steps = [row["number"] for row in rows]
     assert len(steps) > STEPS_PER_SPAN and steps == sorted(set(steps))  # every step once, in order
     assert len(spans) == -(-len(steps) // STEPS_PER_SPAN)  # all ended: full, or at the request's close
     assert all(dict(s.attributes)["speclanes.request_id"] == request for s in spans)
-    assert sum(int(dict(s.attributes)["speclanes.drafted"]) for s in spans) == sum(
-        int(e.get("speclanes.drafted", 0)) for e in events
-    )
+    drafted = sum(row["drafted"] for row in rows)
+    assert sum(int(dict(s.attributes)["speclanes.drafted"]) for s in spans) == drafted
+    assert {row["drafter"] for row in rows} == {"ngram"} and {row["failed"] for row in rows} == {""}
+    assert max(row["k"] for row in rows) == 4 and any(row["drafted"] for row in rows)
+    for span in spans:  # each step's start, from the span's, in order
+        starts = [row["start_us"] for row in steps_of(span.attributes)]
+        assert starts[0] == 0 and starts == sorted(starts)
     assert not server.spans.open

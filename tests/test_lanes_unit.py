@@ -44,7 +44,7 @@ from pipeline.workers.verifier import Verifier
 from pipeline.workers.verify_core import reports_now
 
 from .orchestration_harness import FakeLane
-from .telemetry_harness import MemoryTelemetry
+from .telemetry_harness import MemoryTelemetry, steps_of
 from .tinymodel import TinySpec, write_tiny_gguf
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -482,10 +482,9 @@ def test_each_request_in_a_batch_gets_a_verify_span_in_its_own_trace(model):
         root = roots[name].get_span_context()
         assert span.parent is not None and span.parent.span_id == root.span_id
         assert span.context.trace_id == root.trace_id
-        (step,) = span.events  # one event per step
-        assert step.attributes["speclanes.batch_size"] == 2
-        assert step.attributes["speclanes.batch_rows"] == 4
-        assert step.attributes["speclanes.k"] == len(drafts[name])
+        (step,) = steps_of(span.attributes)  # one step in its columns
+        assert step["batch_size"] == 2 and step["batch_rows"] == 4 and step["number"] == 1
+        assert step["k"] == len(drafts[name]) and step["emitted"] == step["accepted"] + 1
         assert span.attributes["speclanes.steps"] == 1 and span.attributes["speclanes.first_step"] == 1
     prefills = lane.telemetry.spans("prefill")
     assert {s.context.trace_id for s in prefills} == {r.get_span_context().trace_id for r in roots.values()}

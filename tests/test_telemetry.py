@@ -33,6 +33,7 @@ from pipeline.workers.step_spans import STEPS_PER_SPAN
 
 from .pipeline_harness import Pipeline, running_pipeline
 from .rotel_harness import ReceivedSpan, otlp_receiver
+from .telemetry_harness import steps_of
 
 # --- exporters from the environment ---------------------------------------------------
 
@@ -206,9 +207,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
 
 
 def step_events(span: SpanRecord | ReceivedSpan) -> list[dict]:
-    """A verify or draft span's steps: one event each (`workers.step_spans`), from the files or the
+    """A verify or draft span's steps, from its columns (`workers.step_spans`), in the files or the
     receiver."""
-    return [event for event in span.events if "speclanes.step" in event]
+    return steps_of(span.attributes)
 
 
 def trace_of(spans, request_id: str) -> list:
@@ -247,12 +248,12 @@ def test_one_request_is_one_trace_with_spans_from_every_lane(scenario: Scenario)
     assert names[("speclanes-verify", "verify")] == -(-steps // STEPS_PER_SPAN)  # a span per run of steps
     assert names[("speclanes-orchestrator", "queue")] == 1
     verify = [e for s in trace if s.name == "verify" for e in step_events(s)]
-    assert sorted(int(e["speclanes.step"]) for e in verify) == list(range(1, steps + 1))
-    wanted = {"speclanes.k", "speclanes.accepted", "speclanes.acceptance", "speclanes.batch_size"}
+    assert sorted(int(e["number"]) for e in verify) == list(range(1, steps + 1))
+    wanted = {"start_us", "k", "accepted", "batch_size", "batch_rows", "emitted"}
     assert all(wanted <= set(event) for event in verify)
-    assert sum(int(e["speclanes.accepted"]) for e in verify) == done.stats.accepted
+    assert sum(int(e["accepted"]) for e in verify) == done.stats.accepted
     drafts = [e for s in trace if s.name == "draft" for e in step_events(s)]  # a span per run, too
-    assert drafts and all(e["speclanes.drafter"] == "ngram" for e in drafts if "speclanes.drafter" in e)
+    assert drafts and all(e["drafter"] == "ngram" for e in drafts if not e["failed"])
     assert names[("speclanes-verify", "draft")] == -(-len(drafts) // STEPS_PER_SPAN)
     assert names[("speclanes-audit", "audit persist")] >= 1
     assert all(s.status != "ERROR" for s in trace)
@@ -278,10 +279,7 @@ def test_the_file_export_gives_the_same_trace(scenario: Scenario) -> None:
 def steps_in(spans: list, skip_pid: int | None) -> list[tuple]:
     """Each step event (verify and draft runs) as (span name, span id, step)."""
     found = [
-        (s.name, s.span_id, int(e["speclanes.step"]))
-        for s in spans
-        if s.pid != skip_pid
-        for e in step_events(s)
+        (s.name, s.span_id, int(e["number"])) for s in spans if s.pid != skip_pid for e in step_events(s)
     ]
     return sorted(found)
 
@@ -313,7 +311,7 @@ def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span
     # The replacement verify lane's spans cover every step after the restart.
     steps = scenario.steps[done.request_id]
     verified_after = sorted(
-        int(e["speclanes.step"])
+        int(e["number"])
         for s in trace
         if s.name == "verify" and s.start_ns > restart.end_ns
         for e in step_events(s)
@@ -324,7 +322,7 @@ def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span
     # the killed lane's may be lost with it, as its verify spans may.
     drafted = sorted(e.step for e in steps if e.drafter and e.step >= verified_after[0])
     assert drafted, "ngram drafted nothing after the restart: the scenario tests nothing"
-    spans = {int(e["speclanes.step"]) for s in trace if s.name == "draft" for e in step_events(s)}
+    spans = {int(e["number"]) for s in trace if s.name == "draft" for e in step_events(s)}
     assert set(drafted) <= spans
 
 

@@ -168,8 +168,8 @@ class Audit(Section):
     # audit lane writes in one transaction (one fsync) and acknowledges together; 0: with every tick
     # of the orchestrator. Nothing waits on it but the acknowledgement: the orchestrator keeps every
     # event until then. Each write costs the lane a commit, a span per request and an AuditAck, and
-    # both processes a wake-up: CPU taken from the forward on a small machine (8 clients ran 1.07x
-    # faster at 0.3 than at 0.1: docs/benchmarks.md, "What the per-step record keeping costs").
+    # both processes a wake-up: CPU taken from the forward on a small machine (docs/benchmarks.md,
+    # "What the per-step record keeping costs").
     batch_seconds: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
 
 

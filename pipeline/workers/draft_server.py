@@ -29,7 +29,7 @@ from pipeline.model.store import Front
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.protocol.messages import Close, Drafted, DraftRequest, Rows, StepFailed
 from pipeline.workers.reporting import LaneReporter, step_failed
-from pipeline.workers.step_spans import RunSpans
+from pipeline.workers.step_spans import DRAFT_COLUMNS, RunSpans
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class DraftServer:
         self.sources, self.vocab_size, self.lane, self.tokenizer = sources, vocab_size, lane, tokenizer
         self.counts = counts
         self.active: OrderedDict[str, ActiveDraft] = OrderedDict()
-        self.spans = RunSpans(lane.telemetry, "draft")  # a span per run of a request's drafts
+        self.spans = RunSpans(lane.telemetry, "draft", DRAFT_COLUMNS)  # a span per run of drafts
 
     def problem(self, msg: DraftRequest) -> str | None:
         if msg.drafter not in self.sources:
@@ -79,13 +79,13 @@ class DraftServer:
             return active.reply
         start_ns = time.time_ns()
         reply = self.propose(msg, active)
-        attributes: dict[str, int | str] = {"speclanes.k": msg.k}
+        values: dict[str, int | str] = {"k": msg.k}
         if isinstance(reply, Drafted):
-            attributes |= {"speclanes.drafted": len(reply.tokens), "speclanes.drafter": reply.drafter}
+            values |= {"drafted": len(reply.tokens), "drafter": reply.drafter}
         else:
-            attributes["speclanes.failed"] = reply.kind
+            values["failed"] = reply.kind
         drafted = len(reply.tokens) if isinstance(reply, Drafted) else 0
-        self.spans.record(msg.request_id, msg.trace, msg.step, attributes, {"drafted": drafted}, start_ns)
+        self.spans.record(msg.request_id, msg.trace, msg.step, values, {"drafted": drafted}, start_ns)
         if msg.request_id not in self.active:  # its drafter failed: the run ends with it
             self.spans.end(msg.request_id)
         return reply
