@@ -105,5 +105,5 @@ def test_the_per_step_bound_patch_applies_and_switches_only_the_record_keeping()
         "pipeline/workers/verifier.py",
     ]  # fmt: skip
     switched = [line for line in text.splitlines() if line.startswith("+ ") and "lean()" in line]
-    # the orchestrator's audit event, journal row and metrics; the verify lane's event and span event
+    # the orchestrator's audit event, journal row and metrics; the verify lane's audit event and span entry
     assert len(switched) == 5

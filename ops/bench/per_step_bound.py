@@ -2,9 +2,9 @@
 
 Issue 25 asks for a single stream at 0.95x of in-process and 8 clients at 0.9 of the model's ceiling.
 Every decided step costs the pipeline's processes some record keeping: its journal row, its audit
-event (outbox row, the audit lane's row), two step metrics and the verify lane's span event. This
-script measures the pipeline with all of that left out, which the guarantees forbid, so whatever
-batching or trimming that work could win is at most what it shows.
+event (outbox row, the audit lane's row), two step metrics and its entry in the verify lane's run
+span. This script measures the pipeline with all of that left out, which the guarantees forbid, so
+whatever batching or trimming that work could win is at most what it shows.
 
 It checks out HEAD into a temporary git worktree, applies `per_step_bound.patch` there (which adds a
 switch that leaves the record keeping out while a file says "lean") and runs itself inside it with

@@ -146,8 +146,9 @@ class Journal:
             self.held_steps, self.held_outbox = [], []
 
     def _write_held(self) -> None:
-        """The transaction's step and outbox rows, one statement each: one by one they cost a burst
-        a statement per row twice over, about a fifth of the orchestrator's work a step."""
+        """The transaction's step and outbox rows, in one statement each: a statement a row was a
+        sizable share of the orchestrator's work a step (docs/benchmarks.md, "What the per-step record
+        keeping costs")."""
         if self.held_steps:
             with self._storage(critical=True):
                 self.db.executemany("INSERT OR REPLACE INTO steps VALUES (?, ?, ?)", self.held_steps)
