@@ -42,15 +42,17 @@ PORT = 18777
 def patched_worktree() -> Iterator[Path]:
     """HEAD with the patch applied, in a temporary directory, removed on the way out."""
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
-    where = Path(tempfile.mkdtemp(prefix="speclanes-bound-")) / "tree"
-    subprocess.run(
-        ["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(where), "HEAD"], check=True
-    )
-    try:
-        subprocess.run(["git", "-C", str(where), "apply", str(PATCH)], check=True)
-        yield where
-    finally:
-        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(where)], check=False)
+    with tempfile.TemporaryDirectory(prefix="speclanes-bound-") as parent:
+        where = Path(parent) / "tree"
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(where), "HEAD"], check=True
+        )
+        try:
+            subprocess.run(["git", "-C", str(where), "apply", str(PATCH)], check=True)
+            yield where
+        finally:
+            remove = ["git", "-C", str(root), "worktree", "remove", "--force", str(where)]
+            subprocess.run(remove, check=False)
 
 
 def rounds_of(count: int, measure: Callable[[str], float], before: Callable[[], None] = lambda: None) -> dict:
