@@ -903,6 +903,8 @@ def test_n_greedy_choices_each_equal_one_request_and_share_one_prefill(
             s.value for f in families for s in f.samples if s.name == "speclanes_prompt_reused_tokens_total"
         ]
     assert counted == [reused(pipeline)]
+    # the audit trail lags the responses by up to audit.batch_seconds
+    pipeline.wait_until(lambda r: r.audit_pending == 0, what="the audit outbox to empty")
     assert cli_json(pipeline, capsys, "audit", "show", f"{response.id}-2")["request_id"] == ids[2]
 
 

@@ -16,10 +16,18 @@ from typing import Any
 import msgspec
 
 from pipeline.audit.store import AuditStore
+from pipeline.observability.request_ids import AmbiguousId
 from pipeline.protocol.messages import FaultEvent, LaneSnapshot, RequestOpened, SpeculativeEvent, StepEvent
 
 EXIT_FAIL, EXIT_INCOMPLETE = 1, 3
 REQUEST_HELP = "a request id, the HTTP response's id (chatcmpl-..., cmpl-...), or a unique prefix of either"
+# A request's events reach the store up to `audit.batch_seconds` after they are decided (the orchestrator
+# sends them in batches, journaled until the audit lane acknowledges them): one that just finished may not
+# be there yet.
+PENDING_HINT = (
+    "a request's events are written within audit.batch_seconds of its steps; `speclanes status` shows"
+    " how many wait"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction, config_flags: Any) -> None:
@@ -74,8 +82,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         handler = {"list": cmd_list, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify}[args.audit]
         return handler(store, args)
-    except LookupError as exc:
+    except AmbiguousId as exc:
         raise ValueError(str(exc.args[0])) from None
+    except LookupError as exc:  # perhaps not yet written: the orchestrator holds events for a while
+        raise ValueError(f"{exc.args[0]} ({PENDING_HINT})") from None
     except sqlite3.Error as exc:
         raise ValueError(f"audit database: {exc}") from None
     finally:
