@@ -206,12 +206,6 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     return scenario
 
 
-def step_events(span: SpanRecord | ReceivedSpan) -> list[dict]:
-    """A verify or draft span's steps, from its columns (`workers.step_spans`), in the files or the
-    receiver."""
-    return steps_of(span.attributes)
-
-
 def trace_of(spans, request_id: str) -> list:
     ids = {s.trace_id for s in spans if s.attributes.get("speclanes.request_id") == request_id}
     assert len(ids) == 1, f"request {request_id} is in {len(ids)} traces"
@@ -247,12 +241,12 @@ def test_one_request_is_one_trace_with_spans_from_every_lane(scenario: Scenario)
     assert names[("speclanes-verify", "prefill")] == 1
     assert names[("speclanes-verify", "verify")] == -(-steps // STEPS_PER_SPAN)  # a span per run of steps
     assert names[("speclanes-orchestrator", "queue")] == 1
-    verify = [e for s in trace if s.name == "verify" for e in step_events(s)]
+    verify = [e for s in trace if s.name == "verify" for e in steps_of(s.attributes)]
     assert sorted(int(e["number"]) for e in verify) == list(range(1, steps + 1))
     wanted = {"start_us", "k", "accepted", "batch_size", "batch_rows", "emitted"}
     assert all(wanted <= set(event) for event in verify)
     assert sum(int(e["accepted"]) for e in verify) == done.stats.accepted
-    drafts = [e for s in trace if s.name == "draft" for e in step_events(s)]  # a span per run, too
+    drafts = [e for s in trace if s.name == "draft" for e in steps_of(s.attributes)]  # a span per run, too
     assert drafts and all(e["drafter"] == "ngram" for e in drafts if not e["failed"])
     assert names[("speclanes-verify", "draft")] == -(-len(drafts) // STEPS_PER_SPAN)
     assert names[("speclanes-audit", "audit persist")] >= 1
@@ -277,9 +271,12 @@ def test_the_file_export_gives_the_same_trace(scenario: Scenario) -> None:
 
 
 def steps_in(spans: list, skip_pid: int | None) -> list[tuple]:
-    """Each step event (verify and draft runs) as (span name, span id, step)."""
+    """Each step (verify and draft runs, from their columns) as (span name, span id, step)."""
     found = [
-        (s.name, s.span_id, int(e["number"])) for s in spans if s.pid != skip_pid for e in step_events(s)
+        (s.name, s.span_id, int(e["number"]))
+        for s in spans
+        if s.pid != skip_pid
+        for e in steps_of(s.attributes)
     ]
     return sorted(found)
 
@@ -314,7 +311,7 @@ def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span
         int(e["number"])
         for s in trace
         if s.name == "verify" and s.start_ns > restart.end_ns
-        for e in step_events(s)
+        for e in steps_of(s.attributes)
     )
     last = max(e.step for e in steps)
     assert verified_after and verified_after == list(range(verified_after[0], last + 1))
@@ -322,7 +319,7 @@ def test_a_killed_lane_shows_as_a_fault_and_a_restart_and_survivors_lose_no_span
     # the killed lane's may be lost with it, as its verify spans may.
     drafted = sorted(e.step for e in steps if e.drafter and e.step >= verified_after[0])
     assert drafted, "ngram drafted nothing after the restart: the scenario tests nothing"
-    spans = {int(e["number"]) for s in trace if s.name == "draft" for e in step_events(s)}
+    spans = {int(e["number"]) for s in trace if s.name == "draft" for e in steps_of(s.attributes)}
     assert set(drafted) <= spans
 
 

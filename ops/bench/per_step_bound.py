@@ -91,11 +91,14 @@ def measure(args: argparse.Namespace) -> None:
 
     settings = gateway_settings(PORT) if args.gateway else []
     params, warm = SamplingParams(max_tokens=args.tokens, ignore_eos=True), SamplingParams(max_tokens=4)
-    with running_pipeline(settings) as config, Client(config.addresses.client, timeout=60) as client:
+    with (
+        running_pipeline(settings) as config,
+        Client(config.addresses.client, timeout=60) as client,
+        httpx.Client(timeout=60) as http,
+    ):
         model = load_model(model_path(config.model.path), config.model.backend)
         print(render_header(machine_header(model)), flush=True)
         prompt, source = chat_prompt(model, TEXT), make_draft_source("none", model, None, None)
-        http = httpx.Client(timeout=60)
         here: list[float] = []
 
         def in_process() -> None:

@@ -37,11 +37,8 @@ DRAFT_COLUMNS: dict[str, Value] = {"k": 0, "drafted": 0, "drafter": "", "failed"
 class Run:
     span: Span
     start_ns: int
-    first: int
-    last: int = 0
-    steps: int = 0
+    columns: dict[str, list[Value]]  # its steps' figures; "number" holds their step numbers
     totals: dict[str, int] = field(default_factory=dict)
-    columns: dict[str, list[Value]] = field(default_factory=dict)
 
 
 class RunSpans:
@@ -65,14 +62,13 @@ class RunSpans:
         if run is None:
             first = {"speclanes.request_id": request_id, "speclanes.first_step": step}
             span = self.telemetry.start(self.name, trace, first, start_time=start_ns)
-            run = self.open[request_id] = Run(span, start_ns, step, columns={k: [] for k in self.defaults})
+            run = self.open[request_id] = Run(span, start_ns, {k: [] for k in self.defaults})
         values = {**values, "number": step, "start_us": (start_ns - run.start_ns) // 1000}
         for key, column in run.columns.items():
             column.append(values.get(key, self.defaults[key]))
-        run.last, run.steps = step, run.steps + 1
         for key, value in totals.items():
             run.totals[key] = run.totals.get(key, 0) + value
-        if run.steps >= STEPS_PER_SPAN:
+        if len(run.columns["number"]) >= STEPS_PER_SPAN:
             self.end(request_id)
 
     def end(self, request_id: str) -> None:
@@ -81,9 +77,10 @@ class RunSpans:
         if run is None:
             return
         totals = {f"speclanes.{key}": value for key, value in run.totals.items()}
+        numbers = run.columns["number"]
         columns = {PREFIX + key: column for key, column in run.columns.items()}
         run.span.set_attributes(
-            {"speclanes.last_step": run.last, "speclanes.steps": run.steps, **totals, **columns}
+            {"speclanes.last_step": numbers[-1], "speclanes.steps": len(numbers), **totals, **columns}
         )
         run.span.end()
 
