@@ -19,6 +19,7 @@ import numpy as np
 
 SEED = 20261126
 FIXED_TEXT = Path(__file__).resolve().parents[1] / "pipeline" / "bench" / "quality_text.txt"
+# fmt: off
 COUNTS = {
     "fixed": 1500, "unicode": 2000, "code": 1500, "emoji": 1000, "cjk": 1000, "space": 1500, "special": 1500
 }
@@ -64,6 +65,7 @@ SPECIAL = [
     "<start_of_turn", "start_of_turn>", "<start_of_<end_of_turn>turn>", "<unused", "<unused62410>",
     "< table>", "<TABLE>", "<0x41>", "<0xE4><0xB8>", "<0x0A>", "<<bos>>", "<tab<table>le>", "</",
 ]
+# fmt: on
 
 
 def _pick(rng: np.random.Generator, items: list[str]) -> str:

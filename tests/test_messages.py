@@ -197,13 +197,30 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     Decided: st.builds(
         Decided,
         **work,
-        record=st.none() | st.builds(
-            StepRecord, step=small, drafted=small, tokens=tokens, accepted=small, draft_seconds=finite,
-            verify_seconds=finite, draws=small, drafter=text, bonus=st.booleans(),
+        record=st.none()
+        | st.builds(
+            StepRecord,
+            step=small,
+            drafted=small,
+            tokens=tokens,
+            accepted=small,
+            draft_seconds=finite,
+            verify_seconds=finite,
+            draws=small,
+            drafter=text,
+            bonus=st.booleans(),
         ),
-        event=st.none() | st.builds(
-            StepEvent, **audit, step=small, drafter=text, k=st.integers(0, 32), drafted=tokens,
-            emitted=tokens, decisions=st.lists(decisions, max_size=4), final_u=st.none() | finite,
+        event=st.none()
+        | st.builds(
+            StepEvent,
+            **audit,
+            step=small,
+            drafter=text,
+            k=st.integers(0, 32),
+            drafted=tokens,
+            emitted=tokens,
+            decisions=st.lists(decisions, max_size=4),
+            final_u=st.none() | finite,
             draws=small,
             batch_size=small,
         ),

@@ -196,8 +196,15 @@ FLAT = {
     ),  # Q5_0 too
     # Gemma 3 with a window of 8 in layers 0 and 2: speculation's rollbacks cross compacted buffers
     "GEMMA3": TinySpec(
-        seed=31, architecture="gemma3", quant="Q8_0", n_layers=4, n_heads=4, n_kv_heads=1, head_size=32,
-        sliding_window=8, swa_pattern=2,
+        seed=31,
+        architecture="gemma3",
+        quant="Q8_0",
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=1,
+        head_size=32,
+        sliding_window=8,
+        swa_pattern=2,
     ),
 }
 

@@ -62,11 +62,17 @@ def test_special_and_user_defined_tokens(tiny_spm):
     assert plain == llama_cpp_spm(text, *spm_vocab(), special=False)
 
 
+# What random texts are made of: the tiny vocabulary's pieces, its special strings, and text it lacks.
+TEXT_PARTS = [
+    "a", "b", "h", "e", "l", "o", "t", "x", " ", "  ", "\n", "日", "本", "é", "<", ">", "<b>", "</s>",
+    "<start_of_turn>", "<unk>", SPACE, "🙂",
+]  # fmt: skip
+
+
 @settings(max_examples=400, deadline=None)
 @given(
     text=st.lists(
-        st.sampled_from(["a", "b", "h", "e", "l", "o", "t", "x", " ", "  ", "\n", "日", "本", "é", "<", ">",
-                         "<b>", "</s>", "<start_of_turn>", "<unk>", SPACE, "🙂"]),
+        st.sampled_from(TEXT_PARTS),
         max_size=24,
     ).map("".join),
     special=st.booleans(),

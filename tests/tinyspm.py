@@ -15,6 +15,7 @@ import gguf
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
 SPACE = "\u2581"
+# fmt: off
 HEAD = [
     ("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", UNKNOWN),
     ("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL), ("\n", USER_DEFINED), ("  ", USER_DEFINED),
@@ -27,6 +28,7 @@ PIECES = [
     f"{SPACE}the", "llo", f"{SPACE}he", "ab", "hello", f"{SPACE}hello", "aaa", "ba", "日本", "aba",
     f"{SPACE}{SPACE}", "<b", "th", "the", "o>", "lo",
 ]
+# fmt: on
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 
 

@@ -38,4 +38,3 @@ def asks_decided(options: SpeclanesOptions | None, stream: bool | None) -> bool:
 def decided_field(letters: str) -> dict[str, Any]:
     """What a chunk gains when its request asked for the letters."""
     return {"speclanes": {"decided": letters}}
-

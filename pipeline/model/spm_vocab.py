@@ -31,12 +31,14 @@ SPACE = "\u2581"  # SentencePiece's whitespace marker
 # Tokens llama.cpp makes control tokens by their text whatever the file says (its end-of-generation
 # list in llama-vocab.cpp, 0.3.36): with special-token parsing off they are text, not tokens.
 # Gemma 3 marks "</s>" user-defined; llama.cpp keeps it normal only beside these markers.
+# fmt: off
 CONTROL_LOOKING = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
     "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
 })
+# fmt: on
 NORMAL_S_MARKERS = ("<|tool_response>", "<|plamo:eos|>")
 
 

@@ -106,7 +106,6 @@ class StepRecord(msgspec.Struct, array_like=True, frozen=True):
     bonus: bool = False  # the last token is the target's bonus, not a correction (`decoding.decided`)
 
 
-
 # --- data lane: orchestrator -> verify lane -------------------------------------------
 
 
