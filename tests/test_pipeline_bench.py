@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +79,7 @@ from pipeline.bench.common import running_pipeline
 from pipeline.service.run_dir import running_supervisor
 from pathlib import Path
 with running_pipeline([]) as config:
-    print(running_supervisor(Path(config.run.dir)), flush=True)
+    print(running_supervisor(Path(config.run.dir)), config.run.dir, flush=True)
     time.sleep(120)
 """
 
@@ -86,18 +87,21 @@ with running_pipeline([]) as config:
 @pytest.mark.slow
 def test_a_benchmark_sent_sigterm_stops_the_pipeline_it_started():
     """`timeout` ends a benchmark with SIGTERM; its pipeline used to go on running, decoding beside
-    whatever was measured next."""
+    whatever was measured next. Its run directory goes too: a stopped benchmark is not a failed
+    pipeline whose logs are worth keeping (each test run left one in /tmp)."""
     bench = subprocess.Popen([sys.executable, "-c", BENCH_KILLED], stdout=subprocess.PIPE, text=True)
     supervisor = 0
     try:
-        supervisor = int(bench.stdout.readline())
-        assert supervisor > 0 and alive(supervisor)
+        pid, run_dir = bench.stdout.readline().split()
+        supervisor = int(pid)
+        assert supervisor > 0 and alive(supervisor) and Path(run_dir).is_dir()
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(60) == 143
         deadline = time.monotonic() + 30
         while alive(supervisor) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(supervisor)
+        assert not Path(run_dir).exists()
     finally:
         bench.kill()
         if supervisor > 0 and alive(supervisor):  # not left running when the test fails

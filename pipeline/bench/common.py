@@ -158,7 +158,8 @@ def exit_on_sigterm() -> Iterator[None]:
 @contextlib.contextmanager
 def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> Iterator[Config]:
     """A pipeline in a fresh temp run dir; SIGTERM to its supervisor on the way out, even on error
-    or when this process is sent SIGTERM itself (`exit_on_sigterm`).
+    or when this process is sent SIGTERM itself (`exit_on_sigterm`). The run dir is removed then,
+    unless the pipeline failed to start or an error ended its use: its logs are kept for the reader.
 
     The environment's SPECLANES_* settings are left out, so a user's configuration cannot make
     the pipeline and the in-process reference differ; `env` adds variables for the pipeline's
@@ -178,6 +179,9 @@ def running_pipeline(settings: list[str], env: dict[str, str] | None = None) -> 
         try:
             yield config
             ok = True
+        except (KeyboardInterrupt, SystemExit):  # stopped (Ctrl-C, `timeout`'s SIGTERM), not failed
+            ok = True
+            raise
         finally:
             stop(proc)
             if ok:
