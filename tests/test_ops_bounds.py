@@ -1,12 +1,16 @@
 """The measuring scripts behind the bounds the docs quote (`ops/bench/tree_bound.py`, `coupling.py`,
-`per_step_bound.py`): their arithmetic, so a figure they print cannot come from a wrong count, and the
-patch the last applies, so it still measures what it says."""
+`per_step_bound.py`, `helper_core.py`): their arithmetic, so a figure they print cannot come from a
+wrong count, the patch `per_step_bound.py` applies and the pinning `helper_core.py` does, so each
+still measures what it says."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,3 +111,24 @@ def test_the_per_step_bound_patch_applies_and_switches_only_the_record_keeping()
     switched = [line for line in text.splitlines() if line.startswith("+ ") and "lean()" in line]
     # the orchestrator's audit event, journal row and metrics; the verify lane's audit event and span entry
     assert len(switched) == 5
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move threads between")
+def test_helper_core_pins_every_thread_of_a_process():
+    """`helper_core.py` moves whole processes between CPUs: a thread left behind (nng's, a pool's)
+    would still take the forward's CPU in the `spare` layout."""
+    pin = script("helper_core").pin
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        tasks = Path(f"/proc/{child.pid}/task")
+        while len(list(tasks.iterdir())) < 2:
+            time.sleep(0.01)
+        first, *_ = cpus = sorted(os.sched_getaffinity(0))
+        pin([child.pid], {first})
+        assert [os.sched_getaffinity(int(t.name)) for t in tasks.iterdir()] == [{first}, {first}]
+        pin([child.pid], set(cpus))
+        assert all(os.sched_getaffinity(int(t.name)) == set(cpus) for t in tasks.iterdir())
+    finally:
+        child.kill()
+        child.wait()
