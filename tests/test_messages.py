@@ -172,6 +172,14 @@ chunk_batches = st.builds(  # a poll's reply, and each stream of a watch's
     done=st.none() | results,
 )
 
+step_records = st.builds(
+    StepRecord, step=small, drafted=small, tokens=tokens, accepted=small, draft_seconds=finite,
+    verify_seconds=finite, draws=small, drafter=text, bonus=st.booleans(),
+)  # fmt: skip
+step_events = st.builds(
+    StepEvent, **audit, step=small, drafter=text, k=st.integers(0, 32), drafted=tokens, emitted=tokens,
+    decisions=st.lists(decisions, max_size=4), final_u=st.none() | finite, draws=small, batch_size=small,
+)  # fmt: skip
 STRATEGIES: dict[type, st.SearchStrategy] = {
     Open: st.builds(
         Open,
@@ -197,33 +205,8 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     Decided: st.builds(
         Decided,
         **work,
-        record=st.none()
-        | st.builds(
-            StepRecord,
-            step=small,
-            drafted=small,
-            tokens=tokens,
-            accepted=small,
-            draft_seconds=finite,
-            verify_seconds=finite,
-            draws=small,
-            drafter=text,
-            bonus=st.booleans(),
-        ),
-        event=st.none()
-        | st.builds(
-            StepEvent,
-            **audit,
-            step=small,
-            drafter=text,
-            k=st.integers(0, 32),
-            drafted=tokens,
-            emitted=tokens,
-            decisions=st.lists(decisions, max_size=4),
-            final_u=st.none() | finite,
-            draws=small,
-            batch_size=small,
-        ),
+        record=st.none() | step_records,
+        event=st.none() | step_events,
         over=st.booleans(),
     ),
     StepsJournaled: st.builds(StepsJournaled, steps=st.dictionaries(ids, small, max_size=4)),
@@ -237,19 +220,7 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     ),
     AuditAck: st.builds(AuditAck, event_ids=st.lists(ids, max_size=5)),
     RequestOpened: st.builds(RequestOpened, **audit, settings=json_dicts, prompt_tokens=tokens),
-    StepEvent: st.builds(
-        StepEvent,
-        **audit,
-        step=small,
-        drafter=text,
-        k=st.integers(0, 32),
-        drafted=tokens,
-        emitted=tokens,
-        decisions=st.lists(decisions, max_size=4),
-        final_u=st.none() | finite,
-        draws=small,
-        batch_size=small,
-    ),
+    StepEvent: step_events,
     SpeculativeEvent: st.builds(
         SpeculativeEvent,
         **audit,
