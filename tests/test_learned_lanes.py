@@ -407,7 +407,8 @@ def test_a_pipeline_serves_learned_and_auto_exactly_through_lane_kills(tiny, tmp
                 assert done.tokens == plain(params) and done.stats.drafted > 0, (drafter, params)
                 served.append(done.request_id)
         # Long enough that the kill lands 100 tokens before the end even when the client's first
-        # chunks come late and large (a loaded CI machine once saw its 20th token with 220 out of 300).
+        # chunks come late and large (on a loaded CI machine, the chunk that took the count past 20
+        # once took it to 220 of 300).
         long = SamplingParams(temperature=0.8, seed=9, max_tokens=450, ignore_eos=True)
         for lane in ("draft", "verify"):
             pid = pipeline.lane(lane).pid

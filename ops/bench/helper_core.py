@@ -30,7 +30,11 @@ LAYOUTS = ("shared", "spare")
 def pin(pids: Iterable[int], cpus: set[int]) -> None:
     """Every thread of every process in `pids` onto `cpus` (a thread made later inherits its maker's)."""
     for pid in pids:
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:  # a process that has ended (a lane the supervisor is restarting)
+            continue
+        for tid in tids:
             with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
                 os.sched_setaffinity(int(tid), cpus)
 
