@@ -47,6 +47,9 @@ KEPT_FAULTS = 200
 FORMAT = 1  # PRAGMA user_version; 0: a journal from before formats were recorded, read as 1
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# A step row and an outbox row, written one at a time or a transaction's together (`_write_held`)
+PUT_STEP = "INSERT OR REPLACE INTO steps VALUES (?, ?, ?)"
+PUT_EVENT = "INSERT OR REPLACE INTO outbox VALUES (?, ?)"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS opened (request_id TEXT PRIMARY KEY, record BLOB NOT NULL);
@@ -151,10 +154,10 @@ class Journal:
         keeping costs")."""
         if self.held_steps:
             with self._storage(critical=True):
-                self.db.executemany("INSERT OR REPLACE INTO steps VALUES (?, ?, ?)", self.held_steps)
+                self.db.executemany(PUT_STEP, self.held_steps)
         if self.held_outbox:
             with self._storage(critical=False):
-                self.db.executemany("INSERT OR REPLACE INTO outbox VALUES (?, ?)", self.held_outbox)
+                self.db.executemany(PUT_EVENT, self.held_outbox)
 
     @contextlib.contextmanager
     def _atomic(self) -> Iterator[None]:
@@ -194,7 +197,7 @@ class Journal:
             self.held_steps.append(row)
             return
         with self._storage(critical=True):
-            self.db.execute("INSERT OR REPLACE INTO steps VALUES (?, ?, ?)", row)
+            self.db.execute(PUT_STEP, row)
 
     def finished(self, request_id: str, result: Result, wall: float) -> None:
         with self._storage(critical=False):
@@ -215,12 +218,12 @@ class Journal:
             self.held_outbox.append((event_id, data))
             return
         with self._storage(critical=False):
-            self.db.execute("INSERT OR REPLACE INTO outbox VALUES (?, ?)", (event_id, data))
+            self.db.execute(PUT_EVENT, (event_id, data))
 
     def outbox_restore(self, events: list[tuple[str, bytes]]) -> None:
         """Every event in `events` back in the outbox (after a rolled-back transaction), in one commit."""
         with self._storage(critical=False), self._atomic():
-            self.db.executemany("INSERT OR REPLACE INTO outbox VALUES (?, ?)", events)
+            self.db.executemany(PUT_EVENT, events)
 
     def outbox_ack(self, event_ids: list[str]) -> None:
         """In one commit: outside a transaction SQLite commits each statement of an executemany by
