@@ -22,7 +22,7 @@ from pipeline.model import Model
 from pipeline.model.prompts import prompt_tokens
 from pipeline.orchestration.effects import BATCH_EVENTS, Send, batched
 from pipeline.orchestration.hub import unreported
-from pipeline.orchestration.journal import Journal
+from pipeline.orchestration.journal import PUT_STEP, Journal
 from pipeline.orchestration.storage import StorageFull
 from pipeline.protocol.messages import (
     AuditBatch,
@@ -327,7 +327,7 @@ class RefusedOnce(FullOnCommit):
     refused = stepped = False
 
     def executemany(self, sql: str, *args: object) -> sqlite3.Cursor:
-        self.stepped = self.stepped or sql.startswith("INSERT OR REPLACE INTO steps")  # a burst's steps
+        self.stepped = self.stepped or sql == PUT_STEP  # a burst's steps
         return self.db.executemany(sql, *args)
 
     def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
